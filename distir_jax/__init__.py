@@ -1,0 +1,1 @@
+"""distir-jax: a JAX-accelerated, vectorized simulator for distributed deep-learning strategies."""

@@ -1,0 +1,79 @@
+"""A builder for writing programs by hand (and for model builders).
+
+Example::
+
+    b = FunctionBuilder("mlp")
+    x = b.input("x", (64, 512), device=0)
+    w = b.input("w", (512, 512), device=0)
+    y = b.add("Relu", b.add("MatMul", x, w))
+    fn = b.build(y)
+
+Each :meth:`add` infers the result types at once, so a mistake is reported at
+the line that made it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from distir_jax.ir.function import Function, Op, Value
+from distir_jax.ir.typecheck import infer_op_types
+from distir_jax.ir.types import TensorType
+
+
+class FunctionBuilder:
+    def __init__(self, name: str):
+        self.name = name
+        self._inputs: list[Value] = []
+        self._ops: list[Op] = []
+        self._names: set[str] = set()
+        self._counter = 0
+
+    def _fresh(self, hint: Optional[str]) -> str:
+        if hint is not None:
+            if hint in self._names:
+                raise ValueError(f"value name %{hint} is already used in function {self.name}")
+            self._names.add(hint)
+            return hint
+        while True:
+            name = f"v{self._counter}"
+            self._counter += 1
+            if name not in self._names:
+                self._names.add(name)
+                return name
+
+    def input(self, name: str, shape, dtype: str = "f32", device: int = 0) -> Value:
+        """Declares a function input (weights, data, optimizer state)."""
+        value = Value(self._fresh(name), TensorType(tuple(shape), dtype, device))
+        self._inputs.append(value)
+        return value
+
+    def add(
+        self,
+        op_type: str,
+        *inputs: Value,
+        names: Union[None, str, Sequence[str]] = None,
+        **attrs,
+    ) -> Union[Value, tuple[Value, ...]]:
+        """Appends an op; returns its result, or a tuple when it has several."""
+        inputs = tuple(inputs)
+        for v in inputs:
+            if not isinstance(v, Value) or v.type is None:
+                raise ValueError(f"{op_type}: operands must be typed Values from this builder, got {v!r}")
+        probe = Op(op_type, inputs, (), attrs)
+        out_types = infer_op_types(probe, len(self._ops), tuple(v.type for v in inputs))
+        if isinstance(names, str):
+            names = (names,)
+        if names is not None and len(names) != len(out_types):
+            raise ValueError(f"{op_type}: {len(out_types)} results but {len(names)} names given")
+        outputs = tuple(
+            Value(self._fresh(None if names is None else names[i]), t) for i, t in enumerate(out_types)
+        )
+        self._ops.append(Op(op_type, inputs, outputs, probe.attrs))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def build(self, *outputs: Value) -> Function:
+        flat: list[Value] = []
+        for o in outputs:
+            flat.extend(o if isinstance(o, (tuple, list)) else (o,))
+        return Function(self.name, tuple(self._inputs), tuple(self._ops), tuple(flat))

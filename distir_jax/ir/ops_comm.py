@@ -1,0 +1,267 @@
+"""Communication op types: ``Send`` and MPI-style collectives.
+
+Collectives take one value per participating device and return one per device
+(``Broadcast`` and ``Scatter`` start from one root value, ``Gather`` ends in
+one). Costs follow ring algorithms over the group in operand order: features
+give the bytes crossing the slowest link (``comm_volume``) and the number of
+sequential latencies (``comm_hops``); the link itself is chosen at lowering.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, register
+from distir_jax.ir.shape_rules import normalize_axis, require_same_dtype, same_shape
+from distir_jax.ir.types import TensorType, dim_divides, dim_str
+
+
+def _distinct_devices(ins) -> tuple[int, ...]:
+    devices = tuple(t.device for t in ins)
+    if len(set(devices)) != len(devices):
+        raise OpError(f"operands must be on distinct devices, got devices {list(devices)}")
+    return devices
+
+
+def _group_inputs(ins, what):
+    if not ins:
+        raise OpError(f"{what} needs at least one operand")
+    same_shape(ins, f"{what}'s operands")
+    require_same_dtype(ins)
+    return _distinct_devices(ins)
+
+
+def _device_list(attrs, key, what):
+    devices = attrs.get(key)
+    if devices is None or not isinstance(devices, tuple) or not devices:
+        raise OpError(f"{what} needs attribute {key} = a non-empty tuple of device indices")
+    if len(set(devices)) != len(devices):
+        raise OpError(f"{what}'s {key} must be distinct, got {list(devices)}")
+    return tuple(int(d) for d in devices)
+
+
+def _split_dim(shape, axis, parts, what):
+    if not dim_divides(shape[axis], parts):
+        raise OpError(
+            f"{what}: dimension {axis} of size {dim_str(shape[axis])} is not divisible by {parts}"
+        )
+    shape = list(shape)
+    shape[axis] = shape[axis] // parts
+    return tuple(shape)
+
+
+def _ring(volume_factor, hops_per_member):
+    """Features of a ring collective on ``g`` members moving ``n`` bytes each."""
+
+    def features(attrs, ins, outs):
+        group = len({t.device for t in ins + outs})
+        n = ins[0].num_bytes
+        return OpFeatures(
+            comm_volume=volume_factor(group) * n,
+            comm_hops=hops_per_member * (group - 1),
+            is_comm=True,
+        )
+
+    return features
+
+
+# --------------------------------------------------------------------------- #
+# Send: one value to another device.
+
+
+def _send_infer(attrs, ins):
+    (x,) = ins
+    if "to" not in attrs:
+        raise OpError("Send needs attribute to = the destination device")
+    to = int(attrs["to"])
+    if to == x.device:
+        raise OpError(f"Send from device {x.device} to itself")
+    return (x.on(to),)
+
+
+register(
+    OpSpec(
+        "Send",
+        _send_infer,
+        lambda attrs, ins, outs: OpFeatures(comm_volume=ins[0].num_bytes, comm_hops=1, is_comm=True),
+        lambda attrs, inputs: (np.array(inputs[0], copy=True),),
+        num_inputs=1,
+        single_device=False,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# AllReduce: every member gets the sum.
+
+
+def _allreduce_infer(attrs, ins):
+    _group_inputs(ins, "AllReduce")
+    return tuple(ins)
+
+
+def _allreduce_eval(attrs, inputs):
+    total = np.sum(np.stack(inputs), axis=0)
+    return tuple(np.array(total, copy=True) for _ in inputs)
+
+
+register(
+    OpSpec(
+        "AllReduce",
+        _allreduce_infer,
+        _ring(lambda g: 2 * (g - 1) / g, 2),
+        _allreduce_eval,
+        single_device=False,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# AllGather: every member gets the concatenation along `axis`.
+
+
+def _allgather_infer(attrs, ins):
+    _group_inputs(ins, "AllGather")
+    axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
+    shape = list(ins[0].shape)
+    shape[axis] = shape[axis] * len(ins)
+    return tuple(t.with_shape(shape) for t in ins)
+
+
+def _allgather_eval(attrs, inputs):
+    whole = np.concatenate(inputs, axis=int(attrs.get("axis", 0)))
+    return tuple(np.array(whole, copy=True) for _ in inputs)
+
+
+register(
+    OpSpec(
+        "AllGather",
+        _allgather_infer,
+        _ring(lambda g: g - 1, 1),
+        _allgather_eval,
+        single_device=False,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# ReduceScatter: member i gets part i of the sum, split along `axis`.
+
+
+def _reducescatter_infer(attrs, ins):
+    _group_inputs(ins, "ReduceScatter")
+    axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
+    shape = _split_dim(ins[0].shape, axis, len(ins), "ReduceScatter")
+    return tuple(t.with_shape(shape) for t in ins)
+
+
+def _reducescatter_eval(attrs, inputs):
+    total = np.sum(np.stack(inputs), axis=0)
+    return tuple(np.split(total, len(inputs), axis=int(attrs.get("axis", 0))))
+
+
+register(
+    OpSpec(
+        "ReduceScatter",
+        _reducescatter_infer,
+        _ring(lambda g: (g - 1) / g, 1),
+        _reducescatter_eval,
+        single_device=False,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# AllToAll: member i gets part i of every member's split, concatenated.
+
+
+def _alltoall_infer(attrs, ins):
+    _group_inputs(ins, "AllToAll")
+    rank = ins[0].rank
+    split_axis = normalize_axis(int(attrs.get("split_axis", 0)), rank)
+    concat_axis = normalize_axis(int(attrs.get("concat_axis", 0)), rank)
+    shape = list(_split_dim(ins[0].shape, split_axis, len(ins), "AllToAll"))
+    shape[concat_axis] = shape[concat_axis] * len(ins)
+    return tuple(t.with_shape(shape) for t in ins)
+
+
+def _alltoall_eval(attrs, inputs):
+    g = len(inputs)
+    split_axis = int(attrs.get("split_axis", 0))
+    concat_axis = int(attrs.get("concat_axis", 0))
+    parts = [np.split(x, g, axis=split_axis) for x in inputs]
+    return tuple(np.concatenate([parts[j][i] for j in range(g)], axis=concat_axis) for i in range(g))
+
+
+register(
+    OpSpec(
+        "AllToAll",
+        _alltoall_infer,
+        _ring(lambda g: (g - 1) / g, 1),
+        _alltoall_eval,
+        single_device=False,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# Broadcast and Scatter: from one root value to `devices`.
+
+
+def _broadcast_infer(attrs, ins):
+    (x,) = ins
+    devices = _device_list(attrs, "devices", "Broadcast")
+    return tuple(x.on(d) for d in devices)
+
+
+register(
+    OpSpec(
+        "Broadcast",
+        _broadcast_infer,
+        _ring(lambda g: 1, 1),  # pipelined ring: n / bw + (g - 1) latencies
+        lambda attrs, inputs: tuple(np.array(inputs[0], copy=True) for _ in attrs["devices"]),
+        num_inputs=1,
+        single_device=False,
+    )
+)
+
+
+def _scatter_infer(attrs, ins):
+    (x,) = ins
+    devices = _device_list(attrs, "devices", "Scatter")
+    axis = normalize_axis(int(attrs.get("axis", 0)), x.rank)
+    shape = _split_dim(x.shape, axis, len(devices), "Scatter")
+    return tuple(TensorType(shape, x.dtype, d) for d in devices)
+
+
+register(
+    OpSpec(
+        "Scatter",
+        _scatter_infer,
+        _ring(lambda g: (g - 1) / g, 1),
+        lambda attrs, inputs: tuple(
+            np.split(inputs[0], len(attrs["devices"]), axis=int(attrs.get("axis", 0)))
+        ),
+        num_inputs=1,
+        single_device=False,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# Gather: members' values concatenated on device `to`.
+
+
+def _gather_infer(attrs, ins):
+    _group_inputs(ins, "Gather")
+    if "to" not in attrs:
+        raise OpError("Gather needs attribute to = the destination device")
+    axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
+    shape = list(ins[0].shape)
+    shape[axis] = shape[axis] * len(ins)
+    return (TensorType(tuple(shape), ins[0].dtype, int(attrs["to"])),)
+
+
+register(
+    OpSpec(
+        "Gather",
+        _gather_infer,
+        _ring(lambda g: g - 1, 1),
+        lambda attrs, inputs: (np.concatenate(inputs, axis=int(attrs.get("axis", 0))),),
+        single_device=False,
+    )
+)

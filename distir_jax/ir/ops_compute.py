@@ -1,0 +1,221 @@
+"""Compute op types: each registers its shape rule, features and NumPy semantics.
+
+MatMul, broadcasting binary ops, simple unary ops and their gradients live
+here; activations and normalization are in ``ops_nn``, layout ops in
+``ops_shape``, losses in ``ops_loss`` and optimizer updates in ``ops_optim``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, register
+from distir_jax.ir.shape_rules import (
+    broadcast_shapes,
+    elementwise_features,
+    require_rank,
+    require_same_dtype,
+    same_shape,
+    shape_str,
+)
+from distir_jax.ir.types import TensorType, dims_equal
+
+FLOAT_DTYPES = ("f64", "f32", "f16", "bf16")
+INT_DTYPES = ("i64", "i32")
+
+
+def require_float_dtype(t: TensorType, what: str) -> None:
+    """Gradients, losses and activations are only defined on float tensors."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise OpError(f"{what} must have a float dtype {list(FLOAT_DTYPES)}, got {t.dtype}")
+
+
+def require_int_dtype(t: TensorType, what: str) -> None:
+    """Token ids and labels index tables, so they must be integers."""
+    if t.dtype not in INT_DTYPES:
+        raise OpError(
+            f"{what} must have an integer dtype {list(INT_DTYPES)}, got {t.dtype} "
+            f"(shape {shape_str(t.shape)})"
+        )
+
+
+_REQUIRED = object()
+
+
+def int_attr(attrs, key: str, op_name: str, default=_REQUIRED, minimum=None) -> int:
+    """Reads an int attribute, or raises :class:`OpError` naming the op and key."""
+    value = attrs.get(key, default)
+    if value is _REQUIRED:
+        raise OpError(f"{op_name} needs attribute {key} (an int)")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise OpError(f"{op_name}'s attribute {key} must be an int, got {key}={value!r}")
+    if minimum is not None and value < minimum:
+        raise OpError(f"{op_name}'s attribute {key} must be >= {minimum}, got {key}={value}")
+    return int(value)
+
+
+def float_attr(attrs, key: str, op_name: str, default=_REQUIRED) -> float:
+    """Reads a numeric attribute, or raises :class:`OpError` naming the op and key."""
+    value = attrs.get(key, default)
+    if value is _REQUIRED:
+        raise OpError(f"{op_name} needs attribute {key} (a number)")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise OpError(f"{op_name}'s attribute {key} must be a number, got {key}={value!r}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------- #
+# MatMul: a[..., m, k] @ b[..., k, n], leading dims broadcast.
+
+
+def _matmul_operand_shapes(attrs, a: TensorType, b: TensorType):
+    sa, sb = list(a.shape), list(b.shape)
+    if attrs.get("transpose_a", False):
+        sa[-2], sa[-1] = sa[-1], sa[-2]
+    if attrs.get("transpose_b", False):
+        sb[-2], sb[-1] = sb[-1], sb[-2]
+    return sa, sb
+
+
+def _matmul_infer(attrs, ins):
+    a, b = ins
+    require_rank(a, 2, "MatMul operand a")
+    require_rank(b, 2, "MatMul operand b")
+    dtype = require_same_dtype(ins)
+    sa, sb = _matmul_operand_shapes(attrs, a, b)
+    if not dims_equal(sa[-1], sb[-2]):
+        raise OpError(
+            f"contraction dims differ: a {shape_str(sa)} @ b {shape_str(sb)} ({sa[-1]} != {sb[-2]})"
+        )
+    batch = broadcast_shapes(sa[:-2], sb[:-2])
+    return (TensorType(batch + (sa[-2], sb[-1]), dtype, a.device),)
+
+
+def _matmul_features(attrs, ins, outs):
+    a, b = ins
+    sa, _ = _matmul_operand_shapes(attrs, a, b)
+    (out,) = outs
+    flops = 2 * out.num_elements * sa[-1]
+    return OpFeatures(flops=flops, mem_bytes=a.num_bytes + b.num_bytes + out.num_bytes)
+
+
+def _matmul_eval(attrs, inputs):
+    a, b = inputs
+    if attrs.get("transpose_a", False):
+        a = np.swapaxes(a, -1, -2)
+    if attrs.get("transpose_b", False):
+        b = np.swapaxes(b, -1, -2)
+    return (np.matmul(a, b),)
+
+
+register(OpSpec("MatMul", _matmul_infer, _matmul_features, _matmul_eval, num_inputs=2))
+
+# --------------------------------------------------------------------------- #
+# Elementwise binary ops with broadcasting.
+
+
+def _binary_infer(attrs, ins):
+    a, b = ins
+    dtype = require_same_dtype(ins)
+    return (TensorType(broadcast_shapes(a.shape, b.shape), dtype, a.device),)
+
+
+def _binary_features(attrs, ins, outs):
+    return elementwise_features(ins, outs)
+
+
+for _name, _fn in (("Add", np.add), ("Sub", np.subtract), ("Mul", np.multiply), ("Div", np.divide)):
+    register(
+        OpSpec(
+            _name,
+            _binary_infer,
+            _binary_features,
+            (lambda fn: lambda attrs, inputs: (fn(inputs[0], inputs[1]),))(_fn),
+            num_inputs=2,
+        )
+    )
+
+# --------------------------------------------------------------------------- #
+# Elementwise unary ops.
+
+
+def _unary_infer(attrs, ins):
+    (x,) = ins
+    return (x,)
+
+
+def _register_unary(name, fn, flops_per_element=1.0):
+    register(
+        OpSpec(
+            name,
+            _unary_infer,
+            lambda attrs, ins, outs: elementwise_features(ins, outs, flops_per_element),
+            lambda attrs, inputs: (fn(inputs[0]),),
+            num_inputs=1,
+        )
+    )
+
+
+_register_unary("Relu", lambda x: np.maximum(x, 0.0))
+_register_unary("Neg", np.negative)
+_register_unary("Identity", lambda x: np.array(x, copy=True))
+# Transcendentals run on special-function units; one flop per element keeps
+# them memory-bound, which is what they are on every current accelerator.
+_register_unary("Exp", np.exp)
+_register_unary("Tanh", np.tanh)
+
+
+def _relu_grad_infer(attrs, ins):
+    same_shape(ins, "ReluGrad's dy and x")
+    require_same_dtype(ins)
+    return (ins[0],)
+
+
+register(
+    OpSpec(
+        "ReluGrad",  # (dy, x) -> dy * (x > 0)
+        _relu_grad_infer,
+        lambda attrs, ins, outs: elementwise_features(ins, outs),
+        lambda attrs, inputs: (inputs[0] * (inputs[1] > 0),),
+        num_inputs=2,
+    )
+)
+
+
+def _tanh_grad_infer(attrs, ins):
+    same_shape(ins, "TanhGrad's dy and y")
+    require_float_dtype(ins[0], "TanhGrad's dy")
+    require_same_dtype(ins)
+    return (ins[0],)
+
+
+register(
+    OpSpec(
+        "TanhGrad",  # (dy, y = tanh(x)) -> dy * (1 - y^2)
+        _tanh_grad_infer,
+        lambda attrs, ins, outs: elementwise_features(ins, outs, 3.0),
+        lambda attrs, inputs: (inputs[0] * (1.0 - inputs[1] * inputs[1]),),
+        num_inputs=2,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# Scale: multiply by a constant attribute (e.g. 1 / sqrt(d) in attention).
+
+
+def _scale_infer(attrs, ins):
+    (x,) = ins
+    float_attr(attrs, "factor", "Scale")
+    require_float_dtype(x, "Scale's operand")
+    return (x,)
+
+
+register(
+    OpSpec(
+        "Scale",  # (x; factor) -> x * factor
+        _scale_infer,
+        lambda attrs, ins, outs: elementwise_features(ins, outs),
+        lambda attrs, inputs: (inputs[0] * float(attrs["factor"]),),
+        num_inputs=1,
+    )
+)

@@ -1,0 +1,404 @@
+"""Lowering: a typed IR function plus a topology becomes fixed-shape arrays.
+
+This is the one boundary between Python objects and arrays. Everything right
+of it (cost model, timeline kernel) is a pure function of the
+:class:`Program` pytree, so ``jit``, ``vmap``, ``grad`` and sharding apply.
+
+Shapes: N ops, K resource slots per op (the widest op's device count), P
+dependency slots per op, V finish-time slots, D devices, R = D * S resources
+(S streams per device), and an optional leading S_v axis of size variants on
+the feature fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from distir_jax.ir.function import Function
+from distir_jax.ir.registry import get_spec
+from distir_jax.ir.topology import Topology
+from distir_jax.ir.typecheck import infer_types
+
+# Named sentinels for padding, declared once.
+NO_RESOURCE = -1  # an unused resource slot of an op
+NO_DEVICE = -1  # the device of an unused slot / a padded resource
+NO_SLOT = -1  # an unused dependency slot, or an op whose finish nobody reads
+
+_STRUCTURE_FIELDS = ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "resource_device")
+_FEATURE_FIELDS = (
+    "flops", "mem_bytes", "comm_volume", "comm_hops", "alloc_bytes", "free_bytes", "resident_bytes", "peak_bytes",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A lowered program: one frozen pytree of fixed-shape arrays.
+
+    Structure (integers, shared by all size variants):
+      resource: ``[N, K]`` resource index of each of the op's slots, or NO_RESOURCE.
+      slot_device: ``[N, K]`` device of each slot, or NO_DEVICE.
+      dep_slot: ``[N, P]`` finish-time slots the op must wait for, or NO_SLOT.
+        Dependencies already implied by issue order on a shared resource are
+        dropped at lowering; only the others are read.
+      out_slot: ``[N]`` finish-time slot the op writes, or NO_SLOT.
+      link: ``[N, 2]`` devices at the ends of a communication op's slowest link.
+      is_comm: ``[N]`` whether the op is costed as communication.
+      resource_device: ``[R]`` device of each resource (NO_DEVICE for padding).
+      num_ops: ``[]`` number of real (unpadded) ops.
+    Features (floats; may carry a leading size-variant axis):
+      flops, mem_bytes, comm_volume, comm_hops: ``[N]``.
+      alloc_bytes, free_bytes: ``[N, K]`` bytes allocated before / freed after
+        the op on each slot's device.
+      resident_bytes: ``[D]`` bytes resident from the start on each device.
+      peak_bytes: ``[D]`` peak bytes per device. Memory follows program order
+        and byte counts only, never the timeline or the hardware, so it is
+        computed here once per size variant (exactly, in float64) instead of
+        once per configuration inside the kernel.
+    Static:
+      num_finish_slots: V.
+    """
+
+    resource: np.ndarray
+    slot_device: np.ndarray
+    dep_slot: np.ndarray
+    out_slot: np.ndarray
+    link: np.ndarray
+    is_comm: np.ndarray
+    resource_device: np.ndarray
+    num_ops: np.ndarray
+    flops: np.ndarray
+    mem_bytes: np.ndarray
+    comm_volume: np.ndarray
+    comm_hops: np.ndarray
+    alloc_bytes: np.ndarray
+    free_bytes: np.ndarray
+    resident_bytes: np.ndarray
+    peak_bytes: np.ndarray
+    num_finish_slots: int
+
+    @property
+    def capacity(self) -> "Capacity":
+        return Capacity(
+            num_ops=self.resource.shape[-2],
+            slots_per_op=self.resource.shape[-1],
+            deps_per_op=self.dep_slot.shape[-1],
+            finish_slots=self.num_finish_slots,
+            num_devices=self.resident_bytes.shape[-1],
+            num_resources=self.resource_device.shape[-1],
+        )
+
+    def replace(self, **changes) -> "Program":
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    Program,
+    data_fields=[f.name for f in dataclasses.fields(Program) if f.name != "num_finish_slots"],
+    meta_fields=["num_finish_slots"],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Array sizes a program is padded to, so one compiled kernel serves many."""
+
+    num_ops: int
+    slots_per_op: int
+    deps_per_op: int
+    finish_slots: int
+    num_devices: int
+    num_resources: int
+
+    def union(self, other: "Capacity") -> "Capacity":
+        return Capacity(*(max(a, b) for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def bucketed(self) -> "Capacity":
+        """Rounds every size up to a power of two, to share compiled kernels."""
+        up = lambda n: 1 << max(0, int(n) - 1).bit_length()  # noqa: E731
+        return Capacity(*(up(n) for n in dataclasses.astuple(self)))
+
+
+def lower(fn: Function, topology: Topology, *, num_streams: Optional[int] = None) -> Program:
+    """Lowers ``fn`` on ``topology`` to a :class:`Program`.
+
+    Args:
+      fn: the program (types are inferred if missing).
+      topology: the cluster; selects each collective's bottleneck link.
+      num_streams: streams per device; defaults to the most any op uses.
+
+    Returns:
+      An unpadded Program; use :func:`pad_program` to fit a capacity.
+    """
+    if any(v.type is None for op in fn.ops for v in op.outputs):
+        fn = infer_types(fn)
+    topology.check_devices(fn.devices, f"function {fn.name!r}")
+    num_devices = topology.num_devices
+    streams = fn.num_streams if num_streams is None else int(num_streams)
+    if streams < fn.num_streams:
+        raise ValueError(f"num_streams={streams}, but function {fn.name!r} uses stream {fn.num_streams - 1}")
+    n = len(fn.ops)
+    op_devices = [op.devices for op in fn.ops]
+    k = max([1] + [len(d) for d in op_devices])
+    resource = np.full((n, k), NO_RESOURCE, np.int32)
+    slot_device = np.full((n, k), NO_DEVICE, np.int32)
+    link = np.zeros((n, 2), np.int32)
+    is_comm = np.zeros(n, bool)
+    features = {name: [] for name in ("flops", "mem_bytes", "comm_volume", "comm_hops")}
+    for i, op in enumerate(fn.ops):
+        devices = op_devices[i]
+        resource[i, : len(devices)] = [d * streams + op.stream for d in devices]
+        slot_device[i, : len(devices)] = devices
+        spec = get_spec(op.op_type)
+        f = spec.features(op.attr_dict, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs))
+        is_comm[i] = f.is_comm
+        link[i] = topology.bottleneck_link(devices) if f.is_comm else (devices[0], devices[0])
+        for name in features:
+            features[name].append(getattr(f, name))
+    dep_lists, out_slot, num_slots = _finish_slots(fn, resource)
+    p = max([1] + [len(d) for d in dep_lists])
+    dep_slot = np.full((n, p), NO_SLOT, np.int32)
+    for i, deps in enumerate(dep_lists):
+        dep_slot[i, : len(deps)] = deps
+    alloc, free, resident = _memory_events(fn, op_devices, k, num_devices)
+    resource_device = np.repeat(np.arange(num_devices, dtype=np.int32), streams)
+    stacked = {name: _stack_variants(values) for name, values in features.items()}
+    alloc_bytes = _stack_variants(alloc, trailing=(k,))
+    free_bytes = _stack_variants(free, trailing=(k,))
+    resident_bytes = _stack_variants(resident)
+    return Program(
+        resource=resource,
+        slot_device=slot_device,
+        dep_slot=dep_slot,
+        out_slot=out_slot,
+        link=link,
+        is_comm=is_comm,
+        resource_device=resource_device,
+        num_ops=np.asarray(n, np.int32),
+        alloc_bytes=alloc_bytes,
+        free_bytes=free_bytes,
+        resident_bytes=resident_bytes,
+        peak_bytes=peak_memory(slot_device, alloc_bytes, free_bytes, resident_bytes),
+        num_finish_slots=num_slots,
+        **stacked,
+    )
+
+
+def _stack_variants(values, trailing=()) -> np.ndarray:
+    """Stacks per-op scalars (or per-variant vectors) into ``[..., N, *trailing]``.
+
+    Entries may be plain numbers or ``[S]`` arrays of size variants; when any
+    is a vector the result gets a leading ``S`` axis.
+    """
+    sizes = {np.shape(x)[0] for x in _flat(values) if np.ndim(x) == 1}
+    if len(sizes) > 1:
+        raise ValueError(f"size-variant dims disagree on the number of variants: {sorted(sizes)}")
+    if not sizes:
+        return np.asarray(values, np.float64).reshape((len(values),) + trailing)
+    (s,) = sizes
+    out = np.empty((s, len(values)) + trailing, np.float64)
+    for i, x in enumerate(values):
+        if trailing:
+            for j, y in enumerate(x):
+                out[:, i, j] = y
+        else:
+            out[:, i] = x
+    return out
+
+
+def _flat(values):
+    for x in values:
+        if isinstance(x, (list, tuple)):
+            yield from x
+        else:
+            yield x
+
+
+def _finish_slots(fn: Function, resource: np.ndarray):
+    """Which dependencies the kernel must read, and where finish times live.
+
+    A dependency on a single-resource op that ran on one of the consumer's own
+    resources is implied by issue order there (that resource's clock is at
+    least the producer's finish), so it is dropped. The remaining producers get
+    a finish-time slot, reused once its last reader has run (linear-scan
+    allocation), which keeps V, and the kernel's carry, small.
+    """
+    producer = fn.producers()
+    n = len(fn.ops)
+    single = [(int(r[0]) if (r != NO_RESOURCE).sum() == 1 else None) for r in resource]
+    deps: list[list[int]] = []
+    last_reader: dict[int, int] = {}
+    for i, op in enumerate(fn.ops):
+        mine = set(int(x) for x in resource[i] if x != NO_RESOURCE)
+        needed = []
+        for v in op.inputs:
+            j = producer.get(v.name)
+            if j is None or j in needed or (single[j] is not None and single[j] in mine):
+                continue
+            needed.append(j)
+            last_reader[j] = i
+        deps.append(needed)
+    out_slot = np.full(n, NO_SLOT, np.int32)
+    slot_of: dict[int, int] = {}
+    free_slots: list[int] = []
+    expiring: dict[int, list[int]] = {}
+    for j, i in last_reader.items():
+        expiring.setdefault(i, []).append(j)
+    num_slots = 0
+    dep_slots = []
+    for i in range(n):
+        dep_slots.append([slot_of[j] for j in deps[i]])
+        for j in expiring.get(i, ()):  # readers read before the op writes
+            free_slots.append(slot_of[j])
+        if i in last_reader:
+            if free_slots:
+                slot = free_slots.pop()
+            else:
+                slot, num_slots = num_slots, num_slots + 1
+            slot_of[i] = slot
+            out_slot[i] = slot
+    return dep_slots, out_slot, max(num_slots, 1)
+
+
+def _memory_events(fn: Function, op_devices, k: int, num_devices: int):
+    """Per-op, per-slot bytes allocated and freed, and resident bytes per device."""
+    buffer_of: dict[str, str] = {}
+    size: dict[str, object] = {}
+    device_of: dict[str, int] = {}
+    pinned: set[str] = set()
+    resident: list = [0.0] * num_devices
+    for v in fn.inputs:
+        buffer_of[v.name] = v.name
+        size[v.name] = v.type.num_bytes
+        device_of[v.name] = v.type.device
+        pinned.add(v.name)
+        resident[v.type.device] = resident[v.type.device] + v.type.num_bytes
+    for op in fn.ops:
+        aliases = dict(get_spec(op.op_type).aliases)
+        for o, v in enumerate(op.outputs):
+            if o in aliases:
+                buffer_of[v.name] = buffer_of[op.inputs[aliases[o]].name]
+            else:
+                buffer_of[v.name] = v.name
+                size[v.name] = v.type.num_bytes
+                device_of[v.name] = v.type.device
+    pinned.update(buffer_of[v.name] for v in fn.outputs)
+    last_use: dict[str, int] = {}
+    for i, op in enumerate(fn.ops):
+        for v in op.inputs + op.outputs:
+            last_use[buffer_of[v.name]] = i
+    alloc, free = [], []
+    for i, op in enumerate(fn.ops):
+        slot = {d: s for s, d in enumerate(op_devices[i])}
+        a = [0.0] * k
+        f = [0.0] * k
+        for v in op.outputs:
+            if buffer_of[v.name] == v.name:
+                s = slot[v.type.device]
+                a[s] = a[s] + size[v.name]
+        for buf in {buffer_of[v.name] for v in op.inputs + op.outputs}:
+            if last_use[buf] == i and buf not in pinned:
+                s = slot[device_of[buf]]
+                f[s] = f[s] + size[buf]
+        alloc.append(a)
+        free.append(f)
+    return alloc, free, resident
+
+
+def peak_memory(slot_device, alloc_bytes, free_bytes, resident_bytes) -> np.ndarray:
+    """Peak bytes per device, ``[..., D]``, from the program-order memory events.
+
+    Per device, the live bytes before each of its ops are the resident bytes
+    plus a running sum of earlier allocations minus frees; the peak is the
+    largest live-plus-allocation. Vectorized over ops and size variants.
+    """
+    num_devices = resident_bytes.shape[-1]
+    lead = np.broadcast_shapes(alloc_bytes.shape[:-2], free_bytes.shape[:-2], resident_bytes.shape[:-1])
+    peak = np.broadcast_to(np.asarray(resident_bytes, np.float64), lead + (num_devices,)).copy()
+    for d in range(num_devices):
+        on_d = slot_device == d  # [N, K], ops in program order, row-major
+        if not on_d.any():
+            continue
+        alloc = alloc_bytes[..., on_d]  # [..., E]
+        delta = alloc - free_bytes[..., on_d]
+        before = np.cumsum(delta, axis=-1) - delta  # exclusive running sum
+        events = resident_bytes[..., d : d + 1] + before + alloc
+        peak[..., d] = np.maximum(peak[..., d], events.max(axis=-1))
+    return peak
+
+
+def pad_program(program: Program, capacity: Capacity) -> Program:
+    """Pads ``program`` to ``capacity``; padded ops cost nothing and touch nothing."""
+    have = program.capacity
+    for name, want, got in zip(
+        ("num_ops", "slots_per_op", "deps_per_op", "finish_slots", "num_devices", "num_resources"),
+        dataclasses.astuple(capacity),
+        dataclasses.astuple(have),
+    ):
+        if want < got:
+            raise ValueError(f"capacity {name}={want} is smaller than the program's {got}")
+    n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
+    d, r = capacity.num_devices, capacity.num_resources
+    return Program(
+        resource=_pad(program.resource, (n, k), NO_RESOURCE),
+        slot_device=_pad(program.slot_device, (n, k), NO_DEVICE),
+        dep_slot=_pad(program.dep_slot, (n, p), NO_SLOT),
+        out_slot=_pad(program.out_slot, (n,), NO_SLOT),
+        link=_pad(program.link, (n, 2), 0),
+        is_comm=_pad(program.is_comm, (n,), False),
+        resource_device=_pad(program.resource_device, (r,), NO_DEVICE),
+        num_ops=program.num_ops,
+        flops=_pad(program.flops, (n,), 0.0),
+        mem_bytes=_pad(program.mem_bytes, (n,), 0.0),
+        comm_volume=_pad(program.comm_volume, (n,), 0.0),
+        comm_hops=_pad(program.comm_hops, (n,), 0.0),
+        alloc_bytes=_pad(program.alloc_bytes, (n, k), 0.0),
+        free_bytes=_pad(program.free_bytes, (n, k), 0.0),
+        resident_bytes=_pad(program.resident_bytes, (d,), 0.0),
+        peak_bytes=_pad(program.peak_bytes, (d,), 0.0),
+        num_finish_slots=capacity.finish_slots,
+    )
+
+
+def _pad(x: np.ndarray, trailing: tuple, fill) -> np.ndarray:
+    x = np.asarray(x)
+    lead = x.ndim - len(trailing)
+    widths = [(0, 0)] * lead + [(0, t - s) for s, t in zip(x.shape[lead:], trailing)]
+    return np.pad(x, widths, constant_values=fill)
+
+
+def stack_programs(programs: Sequence[Program], capacity: Optional[Capacity] = None) -> Program:
+    """Pads programs of different structure to one capacity and stacks them: ``[B, ...]``.
+
+    Programs with size variants contribute one batch entry per variant.
+    """
+    if not programs:
+        raise ValueError("stack_programs needs at least one program")
+    if capacity is None:
+        capacity = programs[0].capacity
+        for prog in programs[1:]:
+            capacity = capacity.union(prog.capacity)
+    padded = [pad_program(prog, capacity) for prog in programs]
+    rows = []
+    for prog in padded:
+        variants = prog.flops.shape[0] if prog.flops.ndim == 2 else None
+        rows.extend([prog] if variants is None else [_variant(prog, s) for s in range(variants)])
+    fields = {
+        f.name: np.stack([getattr(prog, f.name) for prog in rows])
+        for f in dataclasses.fields(Program)
+        if f.name != "num_finish_slots"
+    }
+    return Program(**fields, num_finish_slots=capacity.finish_slots)
+
+
+def _variant(program: Program, s: int) -> Program:
+    """Size variant ``s`` of a program with a leading variant axis on its features."""
+    changes = {}
+    for name in _FEATURE_FIELDS:
+        x = getattr(program, name)
+        base_rank = 2 if name in ("alloc_bytes", "free_bytes") else 1
+        changes[name] = x[s] if x.ndim > base_rank else x
+    return program.replace(**changes)

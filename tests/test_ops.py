@@ -1,0 +1,451 @@
+"""Op registry tests: gradients against finite differences, shape rules,
+size variants, and optimizer numerics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distir_jax.ir import FunctionBuilder, TensorType, get_spec, registered_op_types
+
+RTOL, ATOL = 1e-6, 1e-8
+
+
+def run(op_type, *arrays, **attrs):
+    return get_spec(op_type).evaluate(attrs, [np.asarray(a) for a in arrays])
+
+
+def numeric_grad(objective, x, h=1e-5):
+    """Central differences of the scalar ``objective`` at ``x`` (float64)."""
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[i] += h
+        down[i] -= h
+        grad[i] = (objective(up) - objective(down)) / (2 * h)
+    return grad
+
+
+def features(op_type, in_types, **attrs):
+    spec = get_spec(op_type)
+    outs = tuple(spec.infer(attrs, tuple(in_types)))
+    return outs, spec.features(attrs, tuple(in_types), outs)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def test_registry_has_every_op():
+    expected = {
+        "MatMul", "Add", "Sub", "Mul", "Div", "Relu", "Neg", "Identity", "ReluGrad", "Exp", "Tanh",
+        "TanhGrad", "Scale", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad", "CausalMask", "LayerNorm",
+        "LayerNormGrad", "Reshape", "Transpose", "Concat", "Split", "ReduceSum", "MSELoss",
+        "MSELossGrad", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Embedding",
+        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce",
+    }  # fmt: skip
+    assert expected <= set(registered_op_types())
+
+
+# --------------------------------------------------------------------------- #
+# Gradients against central finite differences of the forward op.
+
+
+@pytest.mark.parametrize(
+    "forward, grad, second",
+    [("Relu", "ReluGrad", "x"), ("Gelu", "GeluGrad", "x"), ("Tanh", "TanhGrad", "y")],
+)
+def test_unary_grad(rng, forward, grad, second):
+    x = rng.normal(size=(3, 4)) * 2
+    x = np.where(np.abs(x) < 0.1, 0.5, x)  # keep away from Relu's kink
+    cot = rng.normal(size=x.shape)
+    z = x if second == "x" else run(forward, x)[0]
+    (analytic,) = run(grad, cot, z)
+    numeric = numeric_grad(lambda u: np.sum(run(forward, u)[0] * cot), x)
+    np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_softmax_grad(rng, axis):
+    x = rng.normal(size=(3, 4, 5))
+    cot = rng.normal(size=x.shape)
+    (y,) = run("Softmax", x, axis=axis)
+    (analytic,) = run("SoftmaxGrad", cot, y, axis=axis)
+    numeric = numeric_grad(lambda u: np.sum(run("Softmax", u, axis=axis)[0] * cot), x)
+    np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL)
+
+
+def test_causal_mask_is_its_own_grad(rng):
+    x = rng.normal(size=(2, 4, 4))
+    cot = rng.normal(size=x.shape)
+    (analytic,) = run("CausalMask", cot, fill=0.0)
+    # A moderate fill: -1e9 would swamp the differences in rounding error; the
+    # gradient does not depend on the fill value.
+    numeric = numeric_grad(lambda u: np.sum(run("CausalMask", u, fill=-3.0)[0] * cot), x)
+    np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL)
+
+
+def test_layer_norm_grad(rng):
+    x, gamma, beta = rng.normal(size=(2, 3, 5)), rng.normal(size=5), rng.normal(size=5)
+    cot = rng.normal(size=x.shape)
+    dx, dgamma, dbeta = run("LayerNormGrad", cot, x, gamma, eps=1e-3)
+
+    def objective(x_, g_, b_):
+        return np.sum(run("LayerNorm", x_, g_, b_, eps=1e-3)[0] * cot)
+
+    np.testing.assert_allclose(dx, numeric_grad(lambda u: objective(u, gamma, beta), x), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        dgamma, numeric_grad(lambda u: objective(x, u, beta), gamma), rtol=RTOL, atol=ATOL
+    )
+    np.testing.assert_allclose(
+        dbeta, numeric_grad(lambda u: objective(x, gamma, u), beta), rtol=RTOL, atol=ATOL
+    )
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_mse_loss_grad(rng, shards):
+    pred, target = rng.normal(size=(4, 3)), rng.normal(size=(4, 3))
+    (loss,) = run("MSELoss", pred, target, shards=shards)
+    assert loss.shape == ()
+    np.testing.assert_allclose(loss, np.sum((pred - target) ** 2) / (4 * shards), rtol=1e-12)
+    (analytic,) = run("MSELossGrad", pred, target, shards=shards)
+    numeric = numeric_grad(lambda u: run("MSELoss", u, target, shards=shards)[0], pred)
+    np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("shards, label_dtype", [(1, np.int64), (2, np.int32)])
+def test_softmax_cross_entropy_grad(rng, shards, label_dtype):
+    logits = rng.normal(size=(2, 3, 5))
+    labels = rng.integers(0, 5, size=(2, 3)).astype(label_dtype)
+    (loss,) = run("SoftmaxCrossEntropy", logits, labels, shards=shards)
+    probs = np.exp(logits) / np.sum(np.exp(logits), axis=-1, keepdims=True)
+    picked = np.take_along_axis(probs, labels[..., None].astype(np.int64), axis=-1)
+    np.testing.assert_allclose(loss, -np.mean(np.log(picked)) / shards, rtol=1e-12)
+    (analytic,) = run("SoftmaxCrossEntropyGrad", logits, labels, shards=shards)
+    numeric = numeric_grad(lambda u: run("SoftmaxCrossEntropy", u, labels, shards=shards)[0], logits)
+    np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL)
+
+
+def test_embedding_grad_accumulates_repeated_ids(rng):
+    table = rng.normal(size=(6, 4))
+    ids = np.array([[0, 2, 2], [5, 0, 2]], dtype=np.int32)
+    cot = rng.normal(size=(2, 3, 4))
+    (out,) = run("Embedding", table, ids)
+    np.testing.assert_array_equal(out, table[ids])
+    (analytic,) = run("EmbeddingGrad", cot, ids, num_embeddings=6)
+    numeric = numeric_grad(lambda u: np.sum(run("Embedding", u, ids)[0] * cot), table)
+    np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("batch", [(), (2,)])
+def test_matmul_transposes_are_its_grads(rng, batch):
+    a, b = rng.normal(size=batch + (3, 4)), rng.normal(size=batch + (4, 5))
+    cot = rng.normal(size=batch + (3, 5))
+    (da,) = run("MatMul", cot, b, transpose_b=True)
+    (db,) = run("MatMul", a, cot, transpose_a=True)
+    np.testing.assert_allclose(
+        da, numeric_grad(lambda u: np.sum(run("MatMul", u, b)[0] * cot), a), rtol=RTOL, atol=ATOL
+    )
+    np.testing.assert_allclose(
+        db, numeric_grad(lambda u: np.sum(run("MatMul", a, u)[0] * cot), b), rtol=RTOL, atol=ATOL
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Forward values.
+
+
+def test_gelu_matches_jax_tanh_approximation(rng):
+    x = rng.normal(size=50) * 3
+    (ours,) = run("Gelu", x)
+    theirs = np.asarray(jax.nn.gelu(x.astype(np.float32), approximate=True))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_family_is_stable_for_huge_logits():
+    x = np.array([[1000.0, 0.0, -1000.0], [5.0, 5.0, 5.0]])
+    (y,) = run("Softmax", x)
+    np.testing.assert_allclose(y.sum(axis=-1), 1.0)
+    (loss,) = run("SoftmaxCrossEntropy", x, np.array([2, 0]))
+    (grad,) = run("SoftmaxCrossEntropyGrad", x, np.array([2, 0]))
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+    np.testing.assert_allclose(loss, (2000.0 + np.log(3.0)) / 2, rtol=1e-12)
+
+
+def test_layer_norm_and_causal_mask_values(rng):
+    x = rng.normal(size=(3, 8)) * 4 + 2
+    (y,) = run("LayerNorm", x, np.ones(8), np.zeros(8))
+    np.testing.assert_allclose(y.mean(axis=-1), 0.0, atol=1e-12)
+    np.testing.assert_allclose(y.var(axis=-1), 1.0, rtol=1e-4)
+    (m,) = run("CausalMask", np.zeros((3, 3)))
+    np.testing.assert_array_equal(m, [[0, -1e9, -1e9], [0, 0, -1e9], [0, 0, 0]])
+
+
+def test_layout_ops_match_numpy(rng):
+    x = rng.normal(size=(2, 3, 4))
+    np.testing.assert_array_equal(run("Reshape", x, shape=(-1, 4))[0], x.reshape(6, 4))
+    np.testing.assert_array_equal(run("Transpose", x, perm=(2, 0, 1))[0], x.transpose(2, 0, 1))
+    np.testing.assert_array_equal(run("Concat", x, x, axis=1)[0], np.concatenate([x, x], axis=1))
+    parts = run("Split", x, axis=2, parts=2)
+    np.testing.assert_array_equal(parts[1], x[:, :, 2:])
+    np.testing.assert_array_equal(run("ReduceSum", x, axes=(0, 2))[0], x.sum(axis=(0, 2)))
+    ids = np.array([[1, 2], [3, 4]], dtype=np.int32)
+    (total,) = run("ReduceSum", ids, axes=(1,), keepdims=True)
+    assert total.dtype == np.int32 and total.shape == (2, 1)
+    assert run("Scale", x, factor=0.5)[0] == pytest.approx(x * 0.5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(0, 3))
+def test_reshape_infers_minus_one(dims, position):
+    target = list(dims)
+    target[position % len(dims)] = -1
+    b = FunctionBuilder("f")
+    y = b.add("Reshape", b.input("x", dims), shape=tuple(target))
+    assert y.type.shape == tuple(dims)
+
+
+# --------------------------------------------------------------------------- #
+# Shape rules through the builder.
+
+
+def _build(op_type, specs, attrs, device=0):
+    b = FunctionBuilder("f")
+    vals = [b.input(f"x{i}", shape, dtype, device) for i, (shape, dtype) in enumerate(specs)]
+    outs = b.add(op_type, *vals, **attrs)
+    return outs if isinstance(outs, tuple) else (outs,)
+
+
+F, INT = "f32", "i32"
+GOOD = [
+    ("MatMul", [((3, 4), F), ((4, 5), F)], {}, [(3, 5)]),
+    ("MatMul", [((2, 4, 3), F), ((5, 4), F)], {"transpose_a": True, "transpose_b": True}, [(2, 3, 5)]),
+    ("Add", [((3, 4), F), ((4,), F)], {}, [(3, 4)]),
+    ("Exp", [((3, 4), F)], {}, [(3, 4)]),
+    ("Tanh", [((3, 4), F)], {}, [(3, 4)]),
+    ("TanhGrad", [((3, 4), F), ((3, 4), F)], {}, [(3, 4)]),
+    ("Gelu", [((3, 4), F)], {}, [(3, 4)]),
+    ("GeluGrad", [((3, 4), F), ((3, 4), F)], {}, [(3, 4)]),
+    ("Scale", [((3, 4), F)], {"factor": 0.125}, [(3, 4)]),
+    ("Softmax", [((2, 3, 4), F)], {"axis": 1}, [(2, 3, 4)]),
+    ("SoftmaxGrad", [((2, 3, 4), F), ((2, 3, 4), F)], {}, [(2, 3, 4)]),
+    ("CausalMask", [((2, 5, 5), F)], {}, [(2, 5, 5)]),
+    ("LayerNorm", [((2, 3, 8), F), ((8,), F), ((8,), F)], {}, [(2, 3, 8)]),
+    ("LayerNormGrad", [((2, 3, 8), F), ((2, 3, 8), F), ((8,), F)], {}, [(2, 3, 8), (8,), (8,)]),
+    ("Reshape", [((2, 3, 4), F)], {"shape": (-1, 4)}, [(6, 4)]),
+    ("Reshape", [((1, 1), F)], {"shape": ()}, [()]),
+    ("Transpose", [((2, 3, 4), F)], {"perm": (2, 0, 1)}, [(4, 2, 3)]),
+    ("Concat", [((2, 3), F), ((2, 1), F), ((2, 2), F)], {"axis": -1}, [(2, 6)]),
+    ("Split", [((6, 4), F)], {"parts": 3}, [(2, 4)] * 3),
+    ("ReduceSum", [((2, 3, 4), F)], {"axes": (0, -1)}, [(3,)]),
+    ("ReduceSum", [((2, 3, 4), F)], {"axes": (1,), "keepdims": True}, [(2, 1, 4)]),
+    ("MSELoss", [((4, 3), F), ((4, 3), F)], {"shards": 2}, [()]),
+    ("MSELossGrad", [((4, 3), F), ((4, 3), F)], {}, [(4, 3)]),
+    ("SoftmaxCrossEntropy", [((2, 3, 7), F), ((2, 3), INT)], {}, [()]),
+    ("SoftmaxCrossEntropyGrad", [((2, 3, 7), F), ((2, 3), "i64")], {}, [(2, 3, 7)]),
+    ("Embedding", [((7, 4), F), ((2, 3), INT)], {}, [(2, 3, 4)]),
+    ("EmbeddingGrad", [((2, 3, 4), F), ((2, 3), INT)], {"num_embeddings": 7}, [(7, 4)]),
+    ("SGD", [((3, 4), F), ((3, 4), F)], {"lr": 0.1}, [(3, 4)]),
+    ("Adam", [((3, 4), F)] * 4, {"lr": 0.1, "step": 3}, [(3, 4)] * 3),
+]
+
+
+@pytest.mark.parametrize("op_type, specs, attrs, expected", GOOD, ids=[g[0] for g in GOOD])
+def test_shape_rule_and_evaluate_agree(rng, op_type, specs, attrs, expected):
+    outs = _build(op_type, specs, attrs, device=1)
+    assert [v.type.shape for v in outs] == expected
+    assert all(v.type.device == 1 for v in outs)
+    float_dtype = next(d for _, d in specs if d.startswith("f"))
+    assert all(v.type.dtype == float_dtype for v in outs)
+    arrays = [
+        rng.integers(0, 2, size=shape) if dtype.startswith("i") else rng.normal(size=shape)
+        for shape, dtype in specs
+    ]
+    if op_type == "Adam":
+        arrays[3] = np.abs(arrays[3])  # a second moment is never negative
+    before = [a.copy() for a in arrays]
+    results = run(op_type, *arrays, **attrs)
+    assert [np.shape(r) for r in results] == expected
+    assert all(np.all(np.isfinite(r)) for r in results)
+    for a, b in zip(arrays, before, strict=True):  # evaluate must not mutate its operands
+        np.testing.assert_array_equal(a, b)
+
+
+BAD = [
+    ("MatMul", [((3, 4), F), ((5, 6), F)], {}, ["[3, 4]", "[5, 6]"]),
+    ("TanhGrad", [((3, 4), F), ((4, 3), F)], {}, ["[3, 4]", "[4, 3]"]),
+    ("GeluGrad", [((3,), INT), ((3,), INT)], {}, ["i32"]),
+    ("Gelu", [((3,), INT)], {}, ["i32"]),
+    ("Scale", [((3,), F)], {}, ["factor"]),
+    ("Scale", [((3,), F)], {"factor": "big"}, ["factor='big'"]),
+    ("Softmax", [((3, 4), F)], {"axis": 2}, ["axis 2"]),
+    ("SoftmaxGrad", [((3, 4), F), ((3, 5), F)], {}, ["[3, 4]", "[3, 5]"]),
+    ("CausalMask", [((2, 3, 4), F)], {}, ["[2, 3, 4]"]),
+    ("LayerNorm", [((3, 4), F), ((5,), F), ((4,), F)], {}, ["gamma", "[5]", "[3, 4]"]),
+    ("LayerNorm", [((3, 4), F), ((4,), F), ((4,), F)], {"eps": -1.0}, ["eps"]),
+    ("LayerNormGrad", [((3, 5), F), ((3, 4), F), ((4,), F)], {}, ["[3, 5]", "[3, 4]"]),
+    ("Reshape", [((4, 6), F)], {"shape": (5, -1)}, ["(5, -1)", "[4, 6]"]),
+    ("Reshape", [((4, 6), F)], {"shape": (5, 5)}, ["(5, 5)", "[4, 6]"]),
+    ("Reshape", [((4, 6), F)], {"shape": (-1, -1)}, ["(-1, -1)"]),
+    ("Transpose", [((4, 6), F)], {"perm": (0, 0)}, ["perm=(0, 0)", "[4, 6]"]),
+    ("Transpose", [((4, 6), F)], {}, ["perm"]),
+    ("Concat", [((2, 3), F), ((3, 3), F)], {"axis": 1}, ["[2, 3] and [3, 3]"]),
+    ("Split", [((5, 4), F)], {"parts": 2}, ["parts=2", "[5, 4]"]),
+    ("Split", [((4, 4), F)], {"parts": 0}, ["parts"]),
+    ("ReduceSum", [((2, 3), F)], {"axes": (0, 0)}, ["axes"]),
+    ("ReduceSum", [((2, 3), F)], {"axes": (3,)}, ["axis 3"]),
+    ("MSELoss", [((3, 4), F), ((3, 5), F)], {}, ["[3, 4]", "[3, 5]"]),
+    ("MSELoss", [((3, 4), F), ((3, 4), F)], {"shards": 0}, ["shards"]),
+    ("SoftmaxCrossEntropy", [((2, 3, 5), F), ((2, 3), F)], {}, ["labels", "f32"]),
+    ("SoftmaxCrossEntropy", [((2, 3, 5), F), ((2, 4), INT)], {}, ["[2, 3]", "[2, 4]"]),
+    ("SoftmaxCrossEntropyGrad", [((5,), INT), ((), INT)], {}, ["logits", "i32"]),
+    ("Embedding", [((2, 3, 4), F), ((2,), INT)], {}, ["[2, 3, 4]"]),
+    ("Embedding", [((6, 4), F), ((2,), F)], {}, ["ids", "f32"]),
+    ("EmbeddingGrad", [((2, 4), F), ((2,), INT)], {}, ["num_embeddings"]),
+    ("EmbeddingGrad", [((2, 4), F), ((3,), INT)], {"num_embeddings": 5}, ["[2, 4]", "[3]"]),
+    ("SGD", [((3, 4), F), ((4, 3), F)], {"lr": 0.1}, ["[3, 4]", "[4, 3]"]),
+    ("SGD", [((3, 4), F), ((3, 4), F)], {}, ["lr"]),
+    ("Adam", [((3, 4), F)] * 3 + [((4, 3), F)], {"lr": 0.1}, ["[3, 4]", "[4, 3]"]),
+    ("Adam", [((3, 4), F)] * 4, {}, ["lr"]),
+    ("Adam", [((3, 4), F)] * 4, {"lr": 0.1, "beta1": 1.0}, ["beta1"]),
+    ("Adam", [((3, 4), F)] * 4, {"lr": 0.1, "step": 0}, ["step"]),
+]
+
+
+@pytest.mark.parametrize("op_type, specs, attrs, fragments", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_raise(op_type, specs, attrs, fragments):
+    with pytest.raises(ValueError) as info:
+        _build(op_type, specs, attrs)
+    message = str(info.value)
+    assert message.startswith(f"op #0 {op_type}:"), message
+    # The rule's own words must name the problem; the operand list that type
+    # inference appends would otherwise satisfy any shape fragment.
+    own_words = message.split(" (operands:")[0]
+    for fragment in fragments:
+        assert fragment in own_words, message
+
+
+def test_operands_on_two_devices_are_rejected():
+    b = FunctionBuilder("f")
+    x, gamma, beta = b.input("x", (2, 4)), b.input("g", (4,), device=1), b.input("b", (4,))
+    with pytest.raises(ValueError, match="one device"):
+        b.add("LayerNorm", x, gamma, beta)
+
+
+def test_bad_ids_raise_at_evaluate():
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        run("Embedding", np.zeros((3, 2)), np.array([0, 3]))
+    with pytest.raises(ValueError, match="labels"):
+        run("SoftmaxCrossEntropy", np.zeros((2, 3)), np.array([0, -1]))
+
+
+# --------------------------------------------------------------------------- #
+# Size variants: one inference gives per-variant shapes and feature vectors.
+
+BATCH = np.array([2, 4, 8])
+
+
+def _per_variant_features_match(op_type, in_types, concrete_types, **attrs):
+    outs, feats = features(op_type, in_types, **attrs)
+    for k in range(len(BATCH)):
+        _, concrete = features(op_type, concrete_types(int(BATCH[k])), **attrs)
+        for field in dataclasses.fields(concrete):
+            if field.name != "is_comm":
+                vector = np.broadcast_to(getattr(feats, field.name), BATCH.shape)
+                assert vector[k] == pytest.approx(getattr(concrete, field.name))
+    return outs, feats
+
+
+def test_reshape_minus_one_absorbs_variants():
+    b = FunctionBuilder("f")
+    y = b.add("Reshape", b.input("x", (BATCH, 3, 8)), shape=(-1, 8))
+    np.testing.assert_array_equal(y.type.shape[0], BATCH * 3)
+    assert y.type.shape[1] == 8
+    with pytest.raises(ValueError, match="Reshape"):
+        b.add("Reshape", b.input("z", (BATCH, 3)), shape=(6, 4))
+
+
+def test_matmul_with_variant_batch():
+    in_types = (TensorType((BATCH, 16)), TensorType((16, 8)))
+    outs, feats = _per_variant_features_match(
+        "MatMul", in_types, lambda n: (TensorType((n, 16)), TensorType((16, 8)))
+    )
+    np.testing.assert_array_equal(outs[0].shape[0], BATCH)
+    assert isinstance(feats.flops, np.ndarray)
+    np.testing.assert_array_equal(feats.flops, 2 * BATCH * 8 * 16)
+    np.testing.assert_array_equal(feats.mem_bytes, 4 * (BATCH * 16 + 16 * 8 + BATCH * 8))
+
+
+def test_layer_norm_with_variant_batch():
+    h = (TensorType((8,)), TensorType((8,)))
+    outs, feats = _per_variant_features_match(
+        "LayerNorm", (TensorType((BATCH, 8)),) + h, lambda n: (TensorType((n, 8)),) + h
+    )
+    np.testing.assert_array_equal(outs[0].shape[0], BATCH)
+    assert isinstance(feats.mem_bytes, np.ndarray)
+    np.testing.assert_array_equal(feats.mem_bytes, 4 * (2 * BATCH * 8 + 16))
+    grads, _ = _per_variant_features_match(
+        "LayerNormGrad",
+        (TensorType((BATCH, 8)), TensorType((BATCH, 8)), h[0]),
+        lambda n: (TensorType((n, 8)), TensorType((n, 8)), h[0]),
+    )
+    assert [g.shape[-1] for g in grads] == [8, 8, 8]
+
+
+def test_other_ops_with_variant_batch():
+    x = TensorType((BATCH, 6, 16))
+    (loss,), _ = _per_variant_features_match(
+        "SoftmaxCrossEntropy",
+        (x, TensorType((BATCH, 6), "i32")),
+        lambda n: (TensorType((n, 6, 16)), TensorType((n, 6), "i32")),
+    )
+    assert loss.shape == ()
+    parts, _ = features("Split", (x,), axis=0, parts=2)
+    np.testing.assert_array_equal(parts[0].shape[0], BATCH // 2)
+    (cat,), _ = features("Concat", (x, x), axis=0)
+    np.testing.assert_array_equal(cat.shape[0], 2 * BATCH)
+    with pytest.raises(ValueError, match="not divisible"):
+        features("Split", (TensorType((np.array([2, 3]), 4)),), axis=0, parts=2)
+
+
+# --------------------------------------------------------------------------- #
+# Optimizers.
+
+
+def test_sgd_numerics_and_alias(rng):
+    w, g = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    (new_w,) = run("SGD", w, g, lr=0.05)
+    np.testing.assert_allclose(new_w, w - 0.05 * g, rtol=1e-15)
+    assert get_spec("SGD").aliases == ((0, 0),)
+
+
+def test_adam_numerics_over_steps_and_aliases(rng):
+    lr, b1, b2, eps = 0.01, 0.8, 0.95, 1e-6
+    w = rng.normal(size=(3, 4))
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    ref_w, ref_m, ref_v = w.copy(), m.copy(), v.copy()
+    for step in range(1, 4):
+        g = rng.normal(size=w.shape)
+        w, m, v = run("Adam", w, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
+        # Hand-written Adam (Kingma & Ba, Algorithm 1).
+        ref_m = b1 * ref_m + (1 - b1) * g
+        ref_v = b2 * ref_v + (1 - b2) * g**2
+        m_hat, v_hat = ref_m / (1 - b1**step), ref_v / (1 - b2**step)
+        ref_w = ref_w - lr * m_hat / (np.sqrt(v_hat) + eps)
+        np.testing.assert_allclose(w, ref_w, rtol=1e-12)
+        np.testing.assert_allclose(m, ref_m, rtol=1e-12)
+        np.testing.assert_allclose(v, ref_v, rtol=1e-12)
+    assert get_spec("Adam").aliases == ((0, 0), (1, 2), (2, 3))
+
+
+def test_adam_features_count_weight_elements():
+    t = TensorType((10, 10))
+    _, feats = features("Adam", (t,) * 4, lr=0.1)
+    assert feats.mem_bytes == 7 * 400
+    assert feats.flops == 14 * 100
