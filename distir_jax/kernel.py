@@ -82,6 +82,15 @@ def _gather(table, idx):
     return jnp.take_along_axis(table, idx, axis=0)
 
 
+def _gather_one(table, idx):
+    """Row ``idx`` of ``table [X, Bt]``: ``[Bt]`` for a shared index, ``[B]`` per config."""
+    if idx.ndim == 0:
+        return table[idx]
+    if table.shape[1] == 1:
+        return table[idx, 0]
+    return jnp.take_along_axis(table, idx[None, :], axis=0)[0]
+
+
 def _scatter(table, idx, values, add=False):
     """Writes ``values [K, B]`` into rows ``idx``; out-of-range rows are dropped."""
     if idx.ndim == 1:
@@ -183,32 +192,31 @@ def simulate(
     hw = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), hardware)
     peak_flops = _configs_last(hw.peak_flops, 1)  # [D, Bh]
     mem_bw = _configs_last(hw.memory_bandwidth, 1)
-    link_bw = _configs_last(hw.link_bandwidth, 2)  # [D, D, Bh]
-    link_lat = _configs_last(hw.link_latency, 2)
+    # Links flattened to [D * D, Bh] rows so one index picks a device pair.
+    link_bw = _configs_last(hw.link_bandwidth, 2).reshape(num_devices * num_devices, -1)
+    link_lat = _configs_last(hw.link_latency, 2).reshape(num_devices * num_devices, -1)
     launch = _configs_last(hw.launch_overhead, 0)  # [Bh]
     maximum = None if temperature is None else (lambda a, c: _max2(a, c, temperature))
 
     def op_cost(x):
+        """Seconds the op occupies each of its resources: ``[K, B]``, or ``[B]``
+        when the cost model makes it the same on every resource (compute ops
+        run on one device; a collective costs its bottleneck on every member)."""
         if "costs" in x:
-            return jnp.broadcast_to(x["costs"], (x["costs"].shape[0], b))
-        a, c = (x["link"][0], x["link"][1])
-        if a.ndim == 0:
-            bw, lat = link_bw[a, c], link_lat[a, c]  # [Bh]
-        else:
-            cols = jnp.arange(b) if link_bw.shape[-1] > 1 else jnp.zeros(b, jnp.int32)
-            bw, lat = link_bw[a, c, cols], link_lat[a, c, cols]
-        comm = comm_cost(jnp, x["comm_volume"], x["comm_hops"], bw, lat)  # [B]
+            return jnp.broadcast_to(x["costs"], (k, b))
+        pair = x["link"][0] * num_devices + x["link"][1]  # [] or [B]
+        comm = comm_cost(jnp, x["comm_volume"], x["comm_hops"], _gather_one(link_bw, pair), _gather_one(link_lat, pair))
+        device = x["dev_get"][0]
         comp = compute_cost(
             jnp,
-            x["flops"][None, :],
-            x["mem_bytes"][None, :],
-            _gather(peak_flops, x["dev_get"]),
-            _gather(mem_bw, x["dev_get"]),
-            launch[None, :],
+            x["flops"],
+            x["mem_bytes"],
+            _gather_one(peak_flops, device),
+            _gather_one(mem_bw, device),
+            launch,
             maximum,
-        )  # [K, B]
-        is_comm_b = x["is_comm"] if x["is_comm"].ndim == 0 else x["is_comm"][None, :]
-        return jnp.broadcast_to(jnp.where(is_comm_b, comm[None, :], comp), (comp.shape[0], b))
+        )
+        return jnp.broadcast_to(jnp.where(x["is_comm"], comm, comp), (b,))
 
     def step(carry: _Carry, x):
         slot_ok = x["slot_ok"] if x["slot_ok"].ndim == 2 else x["slot_ok"][:, None]
@@ -217,10 +225,14 @@ def simulate(
         clocks = jnp.where(slot_ok, _gather(carry.clock, x["res_get"]), low)
         ready = jnp.where(dep_ok, _gather(carry.finish, x["dep_get"]), low)
         start = _max(jnp.concatenate([clocks, ready, jnp.zeros((1, b), dtype)]), 0, temperature)
-        cost = jnp.where(slot_ok, op_cost(x), 0.0)  # [K, B]
+        op_seconds = op_cost(x)
+        if op_seconds.ndim == 1:  # the same on every resource
+            cost = jnp.where(slot_ok, op_seconds[None, :], 0.0)
+            fin = start + op_seconds
+        else:
+            cost = jnp.where(slot_ok, op_seconds, 0.0)  # [K, B]
+            fin = start + _max(jnp.where(slot_ok, cost, low), 0, temperature)
         clock = _scatter(carry.clock, x["res_set"], start[None, :] + cost)
-        longest = _max(jnp.where(slot_ok, cost, low), 0, temperature)
-        fin = start + longest
         out = x["out_set"][None] if x["out_set"].ndim == 0 else x["out_set"][None, :]
         finish = _scatter(carry.finish, out, fin[None, :])
         busy = _scatter(carry.busy, x["res_set"], cost, add=True)

@@ -101,28 +101,40 @@ def _edge_programs():
     a, b = Value("a", _t(2, 3)), Value("b", _t(2, 3, device=1))
     yield "empty", Function("f", (), (), ())
     yield "untyped", Function("f", (Value("x"),), (Op("Foo", (Value("x"),), (Value("y"),)),), (Value("y"),))
-    yield "no results, op types named like keywords", Function(
-        "f",
-        (a,),
-        (
-            Op("return", (a,), ()),
-            Op("func", (), (), {"k": 1}),
-            Op("Tensor", (a, a), (Value("r", _t(2, 3)),)),
-            Op("Print.v2", (), ()),
+    yield (
+        "no results, op types named like keywords",
+        Function(
+            "f",
+            (a,),
+            (
+                Op("return", (a,), ()),
+                Op("func", (), (), {"k": 1}),
+                Op("Tensor", (a, a), (Value("r", _t(2, 3)),)),
+                Op("Print.v2", (), ()),
+            ),
+            (a,),
         ),
-        (a,),
     )
-    yield "defined twice, used before and never defined", Function(
-        "f",
-        (a, b),
-        (
-            Op("Foo", (Value("late", _t(1)), Value("ghost")), (Value("a", _t(5, device=2)),)),
-            Op("Bar", (Value("a", _t(5, device=2)), Value("a", _t(2, 3))), (Value("late", _t(1)),)),
+    yield (
+        "defined twice, used before and never defined",
+        Function(
+            "f",
+            (a, b),
+            (
+                Op("Foo", (Value("late", _t(1)), Value("ghost")), (Value("a", _t(5, device=2)),)),
+                Op("Bar", (Value("a", _t(5, device=2)), Value("a", _t(2, 3))), (Value("late", _t(1)),)),
+            ),
+            (Value("a", _t(5, device=2)), Value("ghost"), Value("late", _t(7))),
         ),
-        (Value("a", _t(5, device=2)), Value("ghost"), Value("late", _t(7))),
     )
-    yield "scalars and zero-size dims", Function(
-        "_f.1", (Value("s", _t(dtype="i64", device=63)), Value("z", _t(0, 4))), (), (Value("s", _t(dtype="i64", device=63)),)
+    yield (
+        "scalars and zero-size dims",
+        Function(
+            "_f.1",
+            (Value("s", _t(dtype="i64", device=63)), Value("z", _t(0, 4))),
+            (),
+            (Value("s", _t(dtype="i64", device=63)),),
+        ),
     )
     floats = (0.0, -0.0, 1.0, -2.5, 0.1, 1e-05, 1e16, 1.5e300, 5e-324, 2.2250738585072014e-308, float("inf"))
     nan_payload = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000001))[0]
@@ -152,9 +164,15 @@ def test_edge_programs_round_trip(fn):
 
 
 def test_numpy_attribute_scalars_print_as_python_scalars():
-    op = Op("Foo", (), (), {"f": np.float64(0.5), "i": (np.int64(3),), "b": (np.bool_(True), np.float32(0.25))})
+    op = Op(
+        "Foo", (), (), {"f": np.float64(0.5), "i": (np.int64(3),), "b": (np.bool_(True), np.float32(0.25))}
+    )
     fn = parse_function(print_function(Function("f", (), (op,), ())), check=False)
-    assert exact(fn)[2][0][3] == (("b", ("tuple", (("bool", True), ("float", struct.pack("<d", 0.25))))), ("f", ("float", struct.pack("<d", 0.5))), ("i", ("tuple", (("int", 3),))))
+    assert exact(fn)[2][0][3] == (
+        ("b", ("tuple", (("bool", True), ("float", struct.pack("<d", 0.25))))),
+        ("f", ("float", struct.pack("<d", 0.5))),
+        ("i", ("tuple", (("int", 3),))),
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -260,54 +278,136 @@ def test_layout_and_comments_are_free():
 _OK = "func @f(%x: Tensor[8x8; f32; d0]) {\n  %y: Tensor[8x8; f32; d0] = Relu(%x)\n  return %y\n}\n"
 
 PARSE_ERRORS = [
-    ("unterminated body", "func @f(%x: Tensor[8; f32; d0]) {\n  %y = Relu(%x)\n", r"line 3, col 1: expected an op"),
+    (
+        "unterminated body",
+        "func @f(%x: Tensor[8; f32; d0]) {\n  %y = Relu(%x)\n",
+        r"line 3, col 1: expected an op",
+    ),
     ("no return", "func @f() {\n}", r"line 2, col 1: expected an op or 'return' before .*, found '\}'"),
     ("missing close brace", "func @f() {\n  return\n", r"line 3, col 1: expected '\}' after the return"),
     ("trailing text", _OK + "extra", r"line 5, col 1: expected end of input .*found 'extra'"),
     ("not a function", "fun @f() {}", r"line 1, col 1: expected 'func'"),
     ("bad function name", "func f() {}", r"line 1, col 6: expected a function name like @main"),
-    ("operands not closed", "func @f(%x) {\n  %y = Relu(%x {a = 1}\n  return\n}",
-     r"line 2, col 16: expected ',' or '\)' after operand %x, found '\{'"),
-    ("missing '='", "func @f(%x) {\n  %y Relu(%x)\n  return\n}", r"line 2, col 6: expected ',' or '=' after result %y"),
+    (
+        "operands not closed",
+        "func @f(%x) {\n  %y = Relu(%x {a = 1}\n  return\n}",
+        r"line 2, col 16: expected ',' or '\)' after operand %x, found '\{'",
+    ),
+    (
+        "missing '='",
+        "func @f(%x) {\n  %y Relu(%x)\n  return\n}",
+        r"line 2, col 6: expected ',' or '=' after result %y",
+    ),
     ("unknown dtype", "func @f(%x: Tensor[8; f8; d0]) {\n  return\n}", r"line 1, col 23: unknown dtype 'f8'"),
-    ("dangling x", "func @f(%x: Tensor[8x; f32; d0]) {\n  return\n}",
-     r"line 1, col 22: expected a dimension after 'x'"),
-    ("bad device", "func @f(%x: Tensor[8; f32; 0]) {\n  return\n}", r"line 1, col 28: expected a device like d0"),
-    ("not a type", "func @f(%x: tensor<8xf32>) {\n  return\n}", r"line 1, col 13: expected a type like Tensor"),
-    ("unclosed type", "func @f(%x: Tensor[8; f32; d0) {\n  return\n}", r"col 30: expected '\]' to close the type"),
-    ("'?' on a definition", "func @f(%x: ?) {\n  return\n}", r"line 1, col 13: a definition of %x cannot be typed"),
-    ("bad attr value", "func @f() {\n  Foo() {a = }\n  return\n}", r"line 2, col 14: expected a value for attribute 'a'"),
-    ("bad attr key", "func @f() {\n  Foo() {1 = 2}\n  return\n}", r"line 2, col 10: expected an attribute name"),
-    ("attr without '='", "func @f() {\n  Foo() {a 1}\n  return\n}", r"col 12: expected '=' after attribute name 'a'"),
-    ("duplicate attr", "func @f() {\n  Foo() {a = 1, a = 2}\n  return\n}", r"line 2, col 17: attribute 'a' is given twice"),
+    (
+        "dangling x",
+        "func @f(%x: Tensor[8x; f32; d0]) {\n  return\n}",
+        r"line 1, col 22: expected a dimension after 'x'",
+    ),
+    (
+        "bad device",
+        "func @f(%x: Tensor[8; f32; 0]) {\n  return\n}",
+        r"line 1, col 28: expected a device like d0",
+    ),
+    (
+        "not a type",
+        "func @f(%x: tensor<8xf32>) {\n  return\n}",
+        r"line 1, col 13: expected a type like Tensor",
+    ),
+    (
+        "unclosed type",
+        "func @f(%x: Tensor[8; f32; d0) {\n  return\n}",
+        r"col 30: expected '\]' to close the type",
+    ),
+    (
+        "'?' on a definition",
+        "func @f(%x: ?) {\n  return\n}",
+        r"line 1, col 13: a definition of %x cannot be typed",
+    ),
+    (
+        "bad attr value",
+        "func @f() {\n  Foo() {a = }\n  return\n}",
+        r"line 2, col 14: expected a value for attribute 'a'",
+    ),
+    (
+        "bad attr key",
+        "func @f() {\n  Foo() {1 = 2}\n  return\n}",
+        r"line 2, col 10: expected an attribute name",
+    ),
+    (
+        "attr without '='",
+        "func @f() {\n  Foo() {a 1}\n  return\n}",
+        r"col 12: expected '=' after attribute name 'a'",
+    ),
+    (
+        "duplicate attr",
+        "func @f() {\n  Foo() {a = 1, a = 2}\n  return\n}",
+        r"line 2, col 17: attribute 'a' is given twice",
+    ),
     ("nested tuple", "func @f() {\n  Foo() {a = ((1,),)}\n  return\n}", r"line 2, col 15: nested tuples"),
-    ("1-tuple without comma", "func @f() {\n  Foo() {a = (1)}\n  return\n}", r"col 16: a 1-tuple needs a trailing comma"),
-    ("unterminated string", 'func @f() {\n  Foo() {a = "abc}\n  return\n}', r"line 2, col 14: unterminated string"),
+    (
+        "1-tuple without comma",
+        "func @f() {\n  Foo() {a = (1)}\n  return\n}",
+        r"col 16: a 1-tuple needs a trailing comma",
+    ),
+    (
+        "unterminated string",
+        'func @f() {\n  Foo() {a = "abc}\n  return\n}',
+        r"line 2, col 14: unterminated string",
+    ),
     ("bad escape", 'func @f() {\n  Foo() {a = "\\q"}\n  return\n}', r"line 2, col 15: unknown escape '\\q'"),
-    ("short unicode escape", 'func @f() {\n  Foo() {a = "\\u12"}\n  return\n}', r"expected 4 hex digits after '\\u'"),
-    ("bad NaN bits", "func @f() {\n  Foo() {a = nan(0x1)}\n  return\n}", r"expected 16 hex digits of NaN bits"),
-    ("NaN bits of a number", "func @f() {\n  Foo() {a = nan(0x3ff0000000000000)}\n  return\n}", r"is not a NaN"),
+    (
+        "short unicode escape",
+        'func @f() {\n  Foo() {a = "\\u12"}\n  return\n}',
+        r"expected 4 hex digits after '\\u'",
+    ),
+    (
+        "bad NaN bits",
+        "func @f() {\n  Foo() {a = nan(0x1)}\n  return\n}",
+        r"expected 16 hex digits of NaN bits",
+    ),
+    (
+        "NaN bits of a number",
+        "func @f() {\n  Foo() {a = nan(0x3ff0000000000000)}\n  return\n}",
+        r"is not a NaN",
+    ),
     ("bad value name", "func @f(%1x) {\n  return\n}", r"line 1, col 9: expected a parameter like %x"),
 ]
 
 
-@pytest.mark.parametrize("text,message", [(t, m) for _, t, m in PARSE_ERRORS], ids=[n for n, _, _ in PARSE_ERRORS])
+@pytest.mark.parametrize(
+    "text,message", [(t, m) for _, t, m in PARSE_ERRORS], ids=[n for n, _, _ in PARSE_ERRORS]
+)
 def test_parse_errors(text, message):
     with pytest.raises(ValueError, match=message):
         parse_function(text, check=False)
 
 
 CHECK_ERRORS = [
-    ("duplicate value", "%y: Tensor[8x8; f32; d0] = Relu(%x)\n  %y = Neg(%x)", r"line 3: op #1 Neg .*: value %y is defined twice"),
+    (
+        "duplicate value",
+        "%y: Tensor[8x8; f32; d0] = Relu(%x)\n  %y = Neg(%x)",
+        r"line 3: op #1 Neg .*: value %y is defined twice",
+    ),
     ("duplicate input", None, r"line 1: function input %x is declared twice"),
     ("unknown op", "%y = Frobnicate(%x)", r"line 2: op #0 Frobnicate .*: unknown op type 'Frobnicate'"),
-    ("use before definition", "%y = Relu(%z)\n  %z = Neg(%x)", r"line 2: op #0 Relu .*: operand %z is used before it is defined"),
-    ("wrong declared type", "%y: Tensor[8x8; f32; d1] = Relu(%x)", r"line 2: op #0 Relu .*: %y is declared .* but the op produces"),
+    (
+        "use before definition",
+        "%y = Relu(%z)\n  %z = Neg(%x)",
+        r"line 2: op #0 Relu .*: operand %z is used before it is defined",
+    ),
+    (
+        "wrong declared type",
+        "%y: Tensor[8x8; f32; d1] = Relu(%x)",
+        r"line 2: op #0 Relu .*: %y is declared .* but the op produces",
+    ),
     ("bad operands", "%y = MatMul(%x)", r"line 2: op #0 MatMul .*: expected 2 operands, got 1"),
 ]
 
 
-@pytest.mark.parametrize("body,message", [(b, m) for _, b, m in CHECK_ERRORS], ids=[n for n, _, _ in CHECK_ERRORS])
+@pytest.mark.parametrize(
+    "body,message", [(b, m) for _, b, m in CHECK_ERRORS], ids=[n for n, _, _ in CHECK_ERRORS]
+)
 def test_check_errors(body, message):
     if body is None:
         text = "func @f(%x: Tensor[8x8; f32; d0], %x: Tensor[8x8; f32; d0]) {\n  return\n}\n"
@@ -328,7 +428,9 @@ def test_variant_dims_cannot_be_printed():
     b = FunctionBuilder("sweep")
     x = b.input("x", (np.array([64, 128]), 512))
     fn = b.build(b.add("Relu", x, names="act"))
-    with pytest.raises(ValueError, match=r"cannot print input %x of function @sweep: .*size-variant.*concrete sizes"):
+    with pytest.raises(
+        ValueError, match=r"cannot print input %x of function @sweep: .*size-variant.*concrete sizes"
+    ):
         print_function(fn)
     fn = fn.replace(inputs=(Value("x"),))
     with pytest.raises(ValueError, match=r"cannot print operand %x of op #0 Relu: .*concrete sizes"):

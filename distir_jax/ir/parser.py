@@ -93,7 +93,8 @@ class _Parser:
         self.skip()
         if self.pos >= len(self.text):
             return "end of input"
-        return repr(_FOUND_RE.match(self.text, self.pos).group())
+        token = _FOUND_RE.match(self.text, self.pos).group()
+        return repr(token if len(token) <= 30 else token[:27] + "...")
 
     def expected(self, what: str) -> ValueError:
         return self.error(f"expected {what}, found {self.found()}")

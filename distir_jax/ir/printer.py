@@ -11,13 +11,13 @@ Example::
 Grammar (whitespace, newlines included, only separates tokens; ``//`` starts a
 comment that runs to the end of the line)::
 
-  function := 'func' '@'NAME '(' [def (',' def)*] ')' '{' op* return '}'
+  function := 'func' '@'NAME '(' [def (',' def)* [',']] ')' '{' op* return '}'
   def      := '%'NAME [':' type]                      a parameter or a result
   ref      := '%'NAME [':' (type | '?')]              an operand or an output
   op       := [def (',' def)* '='] OPTYPE '(' [ref (',' ref)*] ')' [attrs]
   return   := 'return' [ref (',' ref)*]
   type     := 'Tensor' '[' [INT ('x' INT)*] ';' DTYPE ';' 'd'INT ']'
-  attrs    := '{' [NAME '=' attr (',' NAME '=' attr)*] '}'
+  attrs    := '{' [NAME '=' attr (',' NAME '=' attr)* [',']] '}'
   attr     := scalar | '(' ')' | '(' scalar ',' ')' | '(' scalar (',' scalar)+ [','] ')'
   scalar   := INT | FLOAT | STRING | 'true' | 'false'
 
@@ -28,6 +28,9 @@ float (``1.0``, ``1e-05``, ``inf``, ``-inf``, ``nan``), and a NaN other than the
 canonical quiet NaN is written by its bits, ``nan(0x7ff0000000000001)``.
 ``STRING`` is double-quoted with the escapes ``\\\\ \\" \\n \\t \\r \\xHH
 \\uHHHH \\UHHHHHHHH``; other printable characters appear as themselves.
+The header is one line, or one parameter per line when it would be long. An
+op without results whose type is ``return`` is told from the return statement
+by the ``(`` after it.
 
 A definition without a type is an untyped value. A reference normally carries
 no type: it has the type of its name's latest definition before it (or, if it

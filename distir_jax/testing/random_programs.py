@@ -78,9 +78,9 @@ class _Drawer:
 
     def function(self, max_ops: int) -> Function:
         draw, st = self.draw, self.st
-        kinds = ["MatMul", "binary", "unary", "SGD"] + list(
-            COMM_OPS if self.num_devices > 1 else COMM_OPS[1:]
-        )
+        # Compute kinds twice, so that about half of all ops compute.
+        kinds = ["MatMul", "binary", "unary", "SGD"] * 2
+        kinds += COMM_OPS if self.num_devices > 1 else COMM_OPS[1:]
         for _ in range(draw(st.integers(0, max_ops))):
             op_type, operands, attrs = getattr(self, "_" + draw(st.sampled_from(kinds)))()
             if draw(st.booleans()):
@@ -119,9 +119,9 @@ class _Drawer:
         return names
 
     def _input(self, shape, dtype, device) -> Value:
-        name = self._fresh_name()
+        name, count = self._fresh_name(), len(self.names)
         while name is None or name in self.names:
-            name = f"in{len(self.names)}"
+            name, count = f"in{count}", count + 1
         self.names.add(name)
         value = self.builder.input(name, shape, dtype, device)
         self.pool.append(value)

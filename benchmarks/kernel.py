@@ -1,0 +1,104 @@
+"""Kernel vs reference simulator, measured side by side in one run.
+
+For each (B configurations, N ops, D devices) it times the jitted kernel on B
+hardware variants of one random program and the pure-Python reference
+simulator on the same program, and prints configurations/second,
+op-configuration updates/second, compile time and the speedup (reference
+seconds per configuration x B / kernel seconds).
+
+    python benchmarks/kernel.py            # the full grid
+    python benchmarks/kernel.py --quick    # B=1024, N=2048, D=8 only (< 60 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import jax
+import numpy as np
+
+from distir_jax.executor.reference import reference_simulate
+from distir_jax.hardware import Hardware
+from distir_jax.ir import Topology
+from distir_jax.kernel import simulate
+from distir_jax.lower import lower
+from distir_jax.testing.random_programs import random_function
+
+
+def hardware_variants(topology: Topology, batch: int) -> Hardware:
+    """``batch`` copies of the topology's hardware with speeds scaled 1x..2x."""
+    base = Hardware.from_topology(topology)
+    scale = np.linspace(1.0, 2.0, batch)
+
+    def vary(x):
+        x = np.asarray(x, np.float32)
+        return np.broadcast_to(x, (batch,) + x.shape) * scale.reshape((batch,) + (1,) * x.ndim)
+
+    return jax.tree_util.tree_map(vary, base)
+
+
+def best_time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(batch: int, num_ops: int, num_devices: int, reference_cache: dict) -> dict:
+    topology = Topology.uniform(num_devices, link_latency=2e-6)
+    fn = random_function(0, num_ops, num_devices, batch=64, hidden=256)
+    program = lower(fn, topology)
+    hardware = hardware_variants(topology, batch)
+    t = time.perf_counter()
+    compiled = simulate.lower(program, hardware).compile()
+    compile_s = time.perf_counter() - t
+    kernel_s = best_time(lambda: compiled(program, hardware), repeats=10 if num_ops * batch < 2**24 else 3)
+    key = (num_ops, num_devices)
+    if key not in reference_cache:
+        reference_cache[key] = best_time(lambda: reference_simulate(fn, topology), repeats=2)
+    reference_s = reference_cache[key]
+    return dict(
+        B=batch,
+        N=num_ops,
+        D=num_devices,
+        compile_s=compile_s,
+        kernel_s=kernel_s,
+        configs_per_s=batch / kernel_s,
+        op_updates_per_s=batch * num_ops / kernel_s,
+        reference_s_per_config=reference_s,
+        speedup=reference_s * batch / kernel_s,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only B=1024, N=2048, D=8")
+    args = parser.parse_args()
+    grid = (
+        [(1024, 2048, 8)]
+        if args.quick
+        else [(b, n, d) for d in (8, 64) for n in (256, 2048, 16384) for b in (1, 64, 1024, 8192)]
+    )
+    print(f"# {platform.node()} {platform.processor() or platform.machine()} jax {jax.__version__} "
+          f"backend={jax.default_backend()} devices={jax.devices()}")
+    header = f"{'B':>5} {'N':>6} {'D':>3} {'compile s':>9} {'kernel s':>9} {'configs/s':>10} " \
+             f"{'op-upd/s':>9} {'ref s/cfg':>9} {'speedup':>8}"
+    print(header)
+    cache: dict = {}
+    rows = []
+    for b, n, d in grid:
+        r = measure(b, n, d, cache)
+        rows.append(r)
+        print(f"{r['B']:>5} {r['N']:>6} {r['D']:>3} {r['compile_s']:>9.2f} {r['kernel_s']:>9.4f} "
+              f"{r['configs_per_s']:>10.3g} {r['op_updates_per_s']:>9.3g} {r['reference_s_per_config']:>9.4f} "
+              f"{r['speedup']:>8.0f}", flush=True)
+    target = next(r for r in rows if (r["B"], r["N"], r["D"]) == (1024, 2048, 8))
+    print(f"kernel_speedup_vs_reference={target['speedup']:.0f} op_updates_per_s={target['op_updates_per_s']:.3g}")
+
+
+if __name__ == "__main__":
+    main()

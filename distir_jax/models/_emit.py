@@ -1,0 +1,122 @@
+"""Shared machinery of the model builders: annotated op emission and optimizers."""
+
+from __future__ import annotations
+
+import math
+
+from distir_jax.ir.builder import FunctionBuilder
+from distir_jax.ir.function import Function, Value
+
+OPTIMIZERS = ("sgd", "adam")
+PHASES = ("fwd", "bwd", "opt")
+
+# Adam's defaults (Kingma & Ba 2015); the step is the first, so the bias
+# correction is 1 / (1 - beta).
+ADAM_BETA1 = 0.9
+ADAM_BETA2 = 0.999
+ADAM_EPS = 1e-8
+
+
+def check_optimizer(optimizer, lr) -> tuple[str, float]:
+    """Validated ``(optimizer, lr)``; raises ``ValueError`` naming the bad one."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got optimizer={optimizer!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a finite number > 0, got lr={lr!r}")
+    return optimizer, float(lr)
+
+
+class Emitter:
+    """A :class:`FunctionBuilder` that stamps ``layer`` and ``phase`` on every op.
+
+    The builders set the current layer and phase with :meth:`at` and then emit
+    ops with :meth:`op`, so no op can leave without its annotations.
+    """
+
+    def __init__(self, name: str, dtype: str):
+        self.builder = FunctionBuilder(name)
+        self.dtype = dtype
+        self.layer = 0
+        self.phase = "fwd"
+        self.weights: list[Value] = []
+        # Gradient of each weight, by weight name, as the backward emits it.
+        self.grads: dict[str, Value] = {}
+
+    def at(self, layer: int, phase: str) -> Emitter:
+        assert phase in PHASES, phase
+        self.layer, self.phase = layer, phase
+        return self
+
+    def data(self, name: str, shape, dtype: str | None = None) -> Value:
+        return self.builder.input(name, shape, dtype or self.dtype)
+
+    def weight(self, layer: int, name: str, shape) -> Value:
+        """Declares weight ``l{layer}.{name}`` as a function input."""
+        value = self.builder.input(f"l{layer}.{name}", shape, self.dtype)
+        self.weights.append(value)
+        return value
+
+    def op(self, op_type: str, *inputs: Value, name=None, **attrs):
+        return self.builder.add(op_type, *inputs, names=name, layer=self.layer, phase=self.phase, **attrs)
+
+    def weight_grad(self, op_type: str, weight: Value, *inputs: Value, **attrs) -> Value:
+        """Emits the op producing ``weight``'s gradient, named ``{weight}.grad``."""
+        grad = self.op(op_type, *inputs, name=f"{weight.name}.grad", grad_of=weight.name, **attrs)
+        self.record_grad(weight, grad)
+        return grad
+
+    def record_grad(self, weight: Value, grad: Value) -> None:
+        if weight.name in self.grads:
+            raise AssertionError(f"second gradient of {weight.name}")
+        self.grads[weight.name] = grad
+
+    def build(self, *outputs) -> Function:
+        return self.builder.build(*outputs)
+
+
+def weight_layer(weight: Value) -> int:
+    """The layer number in a weight name ``l{layer}.…``."""
+    return int(weight.name.split(".", 1)[0][1:])
+
+
+def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
+    """Emits one update per weight (declaration order) from ``em.grads``; returns the new state.
+
+    Adam's moments are declared here as function inputs ``{weight}.m`` and
+    ``{weight}.v`` (after all weights), so they count as resident memory.
+
+    Returns:
+      The updated weights, then (Adam) each weight's new ``m`` and ``v``.
+    """
+    moments = {}
+    if optimizer == "adam":
+        for w in em.weights:
+            moments[w.name] = (
+                em.builder.input(f"{w.name}.m", w.type.shape, w.type.dtype),
+                em.builder.input(f"{w.name}.v", w.type.shape, w.type.dtype),
+            )
+    new_weights, new_moments = [], []
+    for w in em.weights:
+        em.at(weight_layer(w), "opt")
+        g = em.grads[w.name]
+        if optimizer == "sgd":
+            new_weights.append(em.op("SGD", w, g, name=f"{w.name}.new", lr=lr, weight=w.name))
+        else:
+            m, v = moments[w.name]
+            w_new, m_new, v_new = em.op(
+                "Adam",
+                w,
+                g,
+                m,
+                v,
+                name=(f"{w.name}.new", f"{m.name}.new", f"{v.name}.new"),
+                lr=lr,
+                beta1=ADAM_BETA1,
+                beta2=ADAM_BETA2,
+                eps=ADAM_EPS,
+                step=1,
+                weight=w.name,
+            )
+            new_weights.append(w_new)
+            new_moments += [m_new, v_new]
+    return new_weights + new_moments

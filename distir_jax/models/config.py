@@ -1,0 +1,168 @@
+"""Model configurations and named presets.
+
+Configs hold only the model's shape (layers, widths, heads, vocabulary) and
+its element type; the batch size is an argument of the builders, because a
+sweep varies it (possibly as a vector of size variants) for one model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from distir_jax.ir.types import Dim, normalize_dim
+
+# f64 is for numerical tests only; real presets use a training dtype.
+MODEL_DTYPES = ("f32", "f16", "bf16", "f64")
+
+
+def _check_positive_int(owner: str, name: str, value) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{owner}: {name} must be an int >= 1, got {name}={value!r}")
+
+
+def _check_dtype(owner: str, dtype) -> None:
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"{owner}: dtype must be one of {list(MODEL_DTYPES)}, got dtype={dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """A DistIR-style MLP: ``num_layers`` square ``[hidden, hidden]`` weights, no biases.
+
+    Attributes:
+      num_layers: number of weight matrices (layers), ``L``.
+      hidden: width of every layer, including the input and the output.
+      dtype: element type of weights and activations.
+    """
+
+    num_layers: int
+    hidden: int
+    dtype: str = "f32"
+
+    def __post_init__(self):
+        _check_positive_int("MLPConfig", "num_layers", self.num_layers)
+        _check_positive_int("MLPConfig", "hidden", self.hidden)
+        _check_dtype("MLPConfig", self.dtype)
+
+    def num_parameters(self) -> int:
+        return self.num_layers * self.hidden * self.hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder-only GPT: pre-norm blocks of attention and a Gelu MLP.
+
+    Attributes:
+      num_layers: number of transformer blocks, ``L``.
+      hidden: model width ``H``; must be divisible by ``num_heads``.
+      num_heads: attention heads per block.
+      vocab_size: token vocabulary ``V``.
+      seq_len: sequence length ``S`` (the positional table has ``S`` rows).
+      ffn_hidden: width of the MLP's inner layer ``F``; ``None`` means ``4 H``.
+      dtype: element type of weights and activations (token ids are ``i32``).
+      ln_eps: LayerNorm epsilon.
+    """
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    vocab_size: int
+    seq_len: int
+    ffn_hidden: int | None = None
+    dtype: str = "f32"
+    ln_eps: float = 1e-5
+
+    def __post_init__(self):
+        owner = "TransformerConfig"
+        if self.ffn_hidden is None:
+            _check_positive_int(owner, "hidden", self.hidden)
+            object.__setattr__(self, "ffn_hidden", 4 * int(self.hidden))
+        for name in ("num_layers", "hidden", "num_heads", "vocab_size", "seq_len", "ffn_hidden"):
+            _check_positive_int(owner, name, getattr(self, name))
+        if self.hidden % self.num_heads:
+            raise ValueError(
+                f"{owner}: hidden={self.hidden} must be divisible by num_heads={self.num_heads} "
+                "(each head gets hidden / num_heads features)"
+            )
+        _check_dtype(owner, self.dtype)
+        if not isinstance(self.ln_eps, (int, float)) or not self.ln_eps > 0:
+            raise ValueError(f"{owner}: ln_eps must be a number > 0, got ln_eps={self.ln_eps!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    def num_parameters(self) -> int:
+        """Weights of the built program: untied head, no biases besides LayerNorm."""
+        h, f = self.hidden, self.ffn_hidden
+        per_block = 3 * h * h + h * h + 2 * h * f + 4 * h
+        return (
+            (self.vocab_size + self.seq_len) * h + self.num_layers * per_block + 2 * h + h * self.vocab_size
+        )
+
+
+ModelConfig = MLPConfig | TransformerConfig
+
+_GPT2 = dict(vocab_size=50257, seq_len=1024)
+_GPT3 = dict(vocab_size=50257, seq_len=2048)
+
+_PRESETS: dict[str, ModelConfig] = {
+    # DistIR's MLP grid (paper, Section 5).
+    "mlp-xs": MLPConfig(num_layers=8, hidden=512),
+    "mlp-small": MLPConfig(num_layers=16, hidden=8192),
+    "mlp-medium": MLPConfig(num_layers=64, hidden=16384),
+    "mlp-large": MLPConfig(num_layers=96, hidden=32768),
+    # GPT-2 (Radford et al. 2019, Table 2; head counts from the released configs).
+    "gpt2-small": TransformerConfig(12, 768, 12, **_GPT2),
+    "gpt2-medium": TransformerConfig(24, 1024, 16, **_GPT2),
+    "gpt2-large": TransformerConfig(36, 1280, 20, **_GPT2),
+    "gpt2-xl": TransformerConfig(48, 1600, 25, **_GPT2),
+    # GPT-3 (Brown et al. 2020, Table 2.1). The table lists XL with d_model
+    # 2048, 24 heads and d_head 128, which cannot all hold (24 x 128 = 3072);
+    # we keep d_model and d_head, i.e. 16 heads, as Megatron's GPT-3 XL does.
+    "gpt3-xl": TransformerConfig(24, 2048, 16, **_GPT3),
+    "gpt3-6.7b": TransformerConfig(32, 4096, 32, **_GPT3),
+    # The table lists d_model 5140, which 40 heads do not divide (and which is
+    # not 40 x d_head 128); implementations use 5120 = 40 x 128.
+    "gpt3-13b": TransformerConfig(40, 5120, 40, **_GPT3),
+    "gpt3-175b": TransformerConfig(96, 12288, 96, **_GPT3),
+}
+
+
+def model_names() -> tuple[str, ...]:
+    """Names of the model presets, MLPs first."""
+    return tuple(_PRESETS)
+
+
+def get_model_config(name: str, *, dtype: str | None = None) -> ModelConfig:
+    """The preset called ``name``, optionally with another ``dtype``.
+
+    Raises:
+      ValueError: for an unknown name (listing the valid ones) or dtype.
+    """
+    try:
+        config = _PRESETS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model name={name!r}; valid names: {', '.join(_PRESETS)}") from None
+    return config if dtype is None else dataclasses.replace(config, dtype=dtype)
+
+
+def check_batch_size(batch_size) -> Dim:
+    """``batch_size`` as a dim (an int or a vector of size variants), all >= 1.
+
+    Raises:
+      ValueError: naming ``batch_size`` and its value when it is not a positive
+        int or a non-empty 1-D array of positive ints.
+    """
+    try:
+        dim = normalize_dim(batch_size)
+    except ValueError as e:
+        raise ValueError(
+            f"batch_size must be an int >= 1 or a 1-D int array of size variants >= 1, "
+            f"got batch_size={batch_size!r} ({e})"
+        ) from None
+    if np.any(np.asarray(dim) < 1):
+        raise ValueError(f"batch_size must be >= 1 for every size variant, got batch_size={batch_size!r}")
+    return dim

@@ -1,0 +1,216 @@
+"""The batched kernel against the pure-Python reference simulator."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distir_jax.executor.reference import reference_simulate
+from distir_jax.hardware import Hardware, pad_hardware, stack_hardware
+from distir_jax.ir import FunctionBuilder, Topology
+from distir_jax.kernel import STATUS_INVALID, STATUS_OK, STATUS_OUT_OF_MEMORY, simulate
+from distir_jax.lower import Capacity, lower, pad_program, stack_programs
+from distir_jax.testing.random_programs import random_function, random_functions
+
+MAX_DEVICES = 4
+# One capacity for every small random program, so the whole property test
+# compiles the kernel once per precision.
+SMALL = Capacity(num_ops=32, slots_per_op=4, deps_per_op=8, finish_slots=32, num_devices=4, num_resources=8)
+
+
+def random_topology(rng: np.random.Generator, num_devices: int) -> Topology:
+    bw = rng.uniform(1e9, 1e11, (num_devices, num_devices))
+    return Topology(
+        name="random",
+        peak_flops=rng.uniform(1e12, 1e14, num_devices),
+        memory_bandwidth=rng.uniform(1e11, 2e12, num_devices),
+        memory_capacity=np.full(num_devices, 1e12),
+        link_bandwidth=(bw + bw.T) / 2,
+        link_latency=rng.uniform(0, 1e-5, (num_devices, num_devices)),
+        launch_overhead=rng.uniform(0, 1e-5),
+    )
+
+
+def assert_matches_reference(result, index, fn, topology, rtol, costs=None):
+    ref = reference_simulate(fn, topology, costs=costs)
+    np.testing.assert_allclose(float(result.step_time[index]), ref.step_time, rtol=rtol, atol=1e-30)
+    peak = np.asarray(result.peak_memory[index])
+    for d, expected in ref.peak_memory.items():
+        np.testing.assert_allclose(peak[d], expected, rtol=rtol)
+    np.testing.assert_allclose(
+        np.asarray(result.op_finish[index][: len(fn.ops)]), ref.op_finish, rtol=rtol, atol=1e-30
+    )
+    assert int(result.status[index]) == STATUS_OK
+
+
+def run_one(fn, topology, capacity=SMALL, costs=None):
+    program = pad_program(lower(fn, topology), capacity)
+    hardware = pad_hardware(Hardware.from_topology(topology), capacity.num_devices)
+    return simulate(program, hardware, costs, record_ops=True)
+
+
+def slot_costs(fn, rng, capacity):
+    """Random per-(op, device) costs, as the reference's dict and the kernel's table."""
+    table = np.zeros((capacity.num_ops, capacity.slots_per_op))
+    per_op = []
+    for i, op in enumerate(fn.ops):
+        c = {d: float(rng.uniform(0.1, 2.0)) for d in op.devices}
+        per_op.append(c)
+        table[i, : len(op.devices)] = [c[d] for d in op.devices]
+    return per_op, table
+
+
+@pytest.mark.parametrize("x64,rtol", [(True, 1e-9), (False, 1e-5)])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fn=random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2), seed=st.integers(0, 2**31))
+def test_random_programs_match_reference(x64, rtol, fn, seed):
+    topology = random_topology(np.random.default_rng(seed), MAX_DEVICES)
+    with jax.enable_x64(x64):
+        result = run_one(fn, topology)
+        assert_matches_reference(result, 0, fn, topology, rtol)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fn=random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2), seed=st.integers(0, 2**31))
+def test_explicit_uneven_costs_match_reference(fn, seed):
+    # Per-device costs differ inside one op, so dependencies on multi-device
+    # ops cannot be replaced by resource order: the finish slots are exercised.
+    rng = np.random.default_rng(seed)
+    topology = random_topology(rng, MAX_DEVICES)
+    per_op, table = slot_costs(fn, rng, SMALL)
+    with jax.enable_x64(True):
+        result = run_one(fn, topology, costs=table)
+        assert_matches_reference(result, 0, fn, topology, 1e-9, costs=per_op)
+
+
+@pytest.mark.parametrize("num_streams", [1, 2])
+def test_mixed_structure_batch_equals_each_alone(num_streams):
+    rng = np.random.default_rng(num_streams)
+    fns = [random_function(seed, int(rng.integers(20, 200)), 4, num_streams, batch=8, hidden=16) for seed in range(6)]
+    topology = random_topology(rng, 4)
+    programs = [lower(fn, topology) for fn in fns]
+    capacity = programs[0].capacity
+    for p in programs[1:]:
+        capacity = capacity.union(p.capacity)
+    capacity = capacity.bucketed()
+    stacked = stack_programs(programs, capacity)
+    hardware = pad_hardware(Hardware.from_topology(topology), capacity.num_devices)
+    with jax.enable_x64(True):
+        batch = simulate(stacked, hardware, record_ops=True)
+        assert batch.step_time.shape == (len(fns),)
+        for i, (fn, program) in enumerate(zip(fns, programs)):
+            alone = simulate(pad_program(program, capacity), hardware, record_ops=True)
+            np.testing.assert_allclose(batch.step_time[i], alone.step_time[0], rtol=1e-12)
+            np.testing.assert_allclose(batch.peak_memory[i], alone.peak_memory[0], rtol=1e-12)
+            np.testing.assert_allclose(batch.busy_time[i], alone.busy_time[0], rtol=1e-12)
+            assert_matches_reference(batch, i, fn, topology, 1e-9)
+
+
+def test_hardware_batch_equals_each_topology():
+    rng = np.random.default_rng(7)
+    fn = random_function(3, 300, 4, batch=8, hidden=16)
+    topologies = [random_topology(rng, 4) for _ in range(5)]
+    program = lower(fn, topologies[0])  # same links are bottlenecks: uniform scaling
+    hardware = stack_hardware([Hardware.from_topology(t) for t in topologies])
+    with jax.enable_x64(True):
+        result = simulate(program, hardware, record_ops=True)
+        for i, topology in enumerate(topologies):
+            # The reference picks each ring's bottleneck on its own topology;
+            # the program was lowered on the first, so lower each alone too.
+            alone = simulate(lower(fn, topology), Hardware.from_topology(topology))
+            ref = reference_simulate(fn, topology)
+            np.testing.assert_allclose(alone.step_time[0], ref.step_time, rtol=1e-9)
+            if _same_bottlenecks(fn, topologies[0], topology):
+                np.testing.assert_allclose(result.step_time[i], ref.step_time, rtol=1e-9)
+
+
+def _same_bottlenecks(fn, a, b):
+    return all(a.bottleneck_link(op.devices) == b.bottleneck_link(op.devices) for op in fn.ops)
+
+
+def _variant_program(batch):
+    """A two-device program whose activations have ``batch`` rows."""
+    b = FunctionBuilder("variants")
+    x = b.input("x", (batch, 64), device=0)
+    w0 = b.input("w0", (64, 64), device=0)
+    w1 = b.input("w1", (64, 64), device=1)
+    h = b.add("Relu", b.add("MatMul", x, w0))
+    g = b.add("Send", h, to=1)
+    y = b.add("MatMul", g, w1)
+    z = b.add("MatMul", h, w0)
+    r0, r1 = b.add("AllReduce", z, y)
+    return b.build(r0, r1)
+
+
+def test_size_variants_equal_each_size_alone():
+    sizes = np.array([4, 16, 64, 256])
+    topology = Topology.uniform(2, link_latency=2e-6)
+    program = lower(_variant_program(sizes), topology)
+    assert program.flops.shape == (len(sizes), 6)
+    with jax.enable_x64(True):
+        result = simulate(program, Hardware.from_topology(topology), record_ops=True)
+        assert result.step_time.shape == (len(sizes),)
+        for i, size in enumerate(sizes):
+            assert_matches_reference(result, i, _variant_program(int(size)), topology, 1e-9)
+
+
+def test_status_out_of_memory_and_invalid():
+    fn = _variant_program(64)
+    topology = Topology.uniform(2, memory_capacity=1e4)
+    program = lower(fn, topology)
+    hardware = stack_hardware([Hardware.from_topology(topology), Hardware.from_topology(Topology.uniform(2))])
+    result = simulate(program, hardware, valid=np.array([True, False]))
+    assert list(np.asarray(result.status)) == [STATUS_OUT_OF_MEMORY, STATUS_INVALID]
+    assert np.all(np.isfinite(result.step_time))
+
+
+def test_padding_touches_nothing():
+    fn = random_function(1, 50, 4, batch=8, hidden=16)
+    topology = Topology.uniform(4)
+    program = lower(fn, topology)
+    big = Capacity(128, 8, 16, 64, 8, 16)
+    padded = pad_program(program, big)
+    a = simulate(program, Hardware.from_topology(topology), record_ops=True)
+    b = simulate(padded, pad_hardware(Hardware.from_topology(topology), 8), record_ops=True)
+    np.testing.assert_allclose(a.step_time, b.step_time, rtol=1e-6)
+    np.testing.assert_allclose(a.peak_memory, b.peak_memory[:, :4], rtol=1e-6)
+    assert np.all(np.asarray(b.peak_memory)[:, 4:] == 0)
+    assert np.all(np.asarray(b.busy_time)[:, 4:] == 0)
+    np.testing.assert_allclose(np.asarray(b.op_start)[0, len(fn.ops):], np.asarray(b.op_start)[0, len(fn.ops):] * 0)
+
+
+def test_hardware_device_mismatch_is_a_clear_error():
+    fn = _variant_program(8)
+    program = lower(fn, Topology.uniform(2))
+    with pytest.raises(ValueError, match="pad_hardware"):
+        simulate(program, Hardware.from_topology(Topology.uniform(3)))
+
+
+def test_lower_rejects_devices_outside_topology():
+    fn = _variant_program(8)
+    with pytest.raises(ValueError, match=r"device\(s\) \[1\]"):
+        lower(fn, Topology.uniform(1))
+
+
+def test_smooth_semantics_converge_and_have_gradients():
+    fn = random_function(5, 200, 4, batch=8, hidden=16)
+    topology = Topology.uniform(4, link_latency=1e-6)
+    program = lower(fn, topology)
+    hardware = Hardware.from_topology(topology)
+    with jax.enable_x64(True):
+        exact = float(simulate(program, hardware).step_time[0])
+        errors = [
+            abs(float(simulate(program, hardware, temperature=t).step_time[0]) - exact) / exact
+            for t in (1e-5, 1e-7, 1e-9)
+        ]
+        assert errors[0] > errors[1] > errors[2]
+        assert errors[2] < 1e-3
+
+        def step_time(bandwidth):
+            hw = hardware.replace(link_bandwidth=jnp.full((4, 4), bandwidth))
+            return simulate(program, hw, temperature=1e-7).step_time[0]
+
+        grad = jax.grad(step_time)(jnp.asarray(3e9))
+        assert np.isfinite(grad) and grad < 0  # faster links, shorter steps

@@ -1,0 +1,306 @@
+"""Model builders: gradients against finite differences, presets, annotation contract."""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from distir_jax import models
+from distir_jax.executor.sequential import execute
+from distir_jax.ir.registry import get_spec
+from distir_jax.models import (
+    MLPConfig,
+    TransformerConfig,
+    check_contract,
+    gradient_ops,
+    optimizer_ops,
+    weight_names,
+)
+
+TINY_MLP = MLPConfig(num_layers=3, hidden=5, dtype="f64")
+TINY_GPT = TransformerConfig(num_layers=2, hidden=8, num_heads=2, vocab_size=11, seq_len=4, dtype="f64")
+BATCH = 3
+LR = 0.1
+
+
+def random_inputs(fn, seed=0, vocab=None):
+    """Random values for every input: small weights, LayerNorm gains near 1, ids in range."""
+    rng = np.random.default_rng(seed)
+    values = {}
+    for v in fn.inputs:
+        shape = tuple(int(d) for d in v.type.shape)
+        if v.type.dtype in ("i32", "i64"):
+            values[v.name] = rng.integers(0, vocab, size=shape)
+        elif v.name.endswith(".gamma"):
+            values[v.name] = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif v.name.endswith(".v"):  # Adam's second moment is non-negative
+            values[v.name] = rng.uniform(0.0, 0.1, size=shape)
+        else:
+            values[v.name] = 0.5 * rng.standard_normal(shape)
+    return values
+
+
+def builders(config):
+    if isinstance(config, MLPConfig):
+        return models.mlp_training_step, models.mlp_loss
+    return models.transformer_training_step, models.transformer_loss
+
+
+def finite_difference_grad(loss_fn, inputs, name, step=1e-5):
+    """Central differences of the scalar loss w.r.t. every element of input ``name``."""
+    base = inputs[name]
+    grad = np.zeros_like(base)
+    for index in np.ndindex(base.shape):
+        values = []
+        for sign in (1.0, -1.0):
+            perturbed = base.copy()
+            perturbed[index] += sign * step
+            values.append(float(execute(loss_fn, {**inputs, name: perturbed})["loss"]))
+        grad[index] = (values[0] - values[1]) / (2 * step)
+    return grad
+
+
+# --------------------------------------------------------------------------- #
+# Gradient proof.
+
+
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+def test_sgd_step_applies_the_finite_difference_gradient(config):
+    train_builder, loss_builder = builders(config)
+    train = train_builder(config, BATCH, optimizer="sgd", lr=LR)
+    loss_fn = loss_builder(config, BATCH)
+    inputs = random_inputs(train, vocab=getattr(config, "vocab_size", None))
+    out = execute(train, inputs)
+
+    loss_inputs = {v.name: inputs[v.name] for v in loss_fn.inputs}
+    np.testing.assert_allclose(out["loss"], execute(loss_fn, loss_inputs)["loss"], rtol=1e-12)
+    for name in weight_names(train):
+        applied = (inputs[name] - out[f"{name}.new"]) / LR
+        expected = finite_difference_grad(loss_fn, loss_inputs, name)
+        np.testing.assert_allclose(applied, expected, rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+def test_adam_first_step_matches_hand_written_adam(config):
+    train_builder, _ = builders(config)
+    sgd = train_builder(config, BATCH, optimizer="sgd", lr=LR)
+    adam = train_builder(config, BATCH, optimizer="adam", lr=LR)
+    inputs = random_inputs(adam, seed=1, vocab=getattr(config, "vocab_size", None))
+    sgd_out = execute(sgd, {v.name: inputs[v.name] for v in sgd.inputs})
+    out = execute(adam, inputs)
+
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    np.testing.assert_allclose(out["loss"], sgd_out["loss"], rtol=1e-12)
+    for name in weight_names(adam):
+        g = (inputs[name] - sgd_out[f"{name}.new"]) / LR
+        m = beta1 * inputs[f"{name}.m"] + (1 - beta1) * g
+        v = beta2 * inputs[f"{name}.v"] + (1 - beta2) * g * g
+        w = inputs[name] - LR * (m / (1 - beta1)) / (np.sqrt(v / (1 - beta2)) + eps)
+        np.testing.assert_allclose(out[f"{name}.m.new"], m, rtol=1e-9, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(out[f"{name}.v.new"], v, rtol=1e-9, atol=1e-14, err_msg=name)
+        np.testing.assert_allclose(out[f"{name}.new"], w, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_inference_matches_the_forward_of_the_training_step():
+    infer = models.transformer_inference(TINY_GPT, BATCH)
+    train = models.transformer_training_step(TINY_GPT, BATCH)
+    inputs = random_inputs(train, vocab=TINY_GPT.vocab_size)
+    logits = execute(infer, {v.name: inputs[v.name] for v in infer.inputs})["logits"]
+    assert logits.shape == (BATCH, TINY_GPT.seq_len, TINY_GPT.vocab_size)
+    every = execute(train, inputs, return_all=True)
+    np.testing.assert_array_equal(every["logits"], logits)
+
+    mlp_out = execute(
+        models.mlp_inference(TINY_MLP, BATCH), random_inputs(models.mlp_inference(TINY_MLP, BATCH))
+    )
+    assert mlp_out["l3.h"].shape == (BATCH, TINY_MLP.hidden)
+
+
+def test_causal_model_ignores_future_tokens():
+    # A check of the mask wiring independent of the gradients: changing the
+    # last token must leave the logits of earlier positions unchanged.
+    infer = models.transformer_inference(TINY_GPT, 1)
+    inputs = random_inputs(infer, vocab=TINY_GPT.vocab_size)
+    changed = dict(inputs, tokens=inputs["tokens"].copy())
+    changed["tokens"][0, -1] = (changed["tokens"][0, -1] + 1) % TINY_GPT.vocab_size
+    a, b = execute(infer, inputs)["logits"], execute(infer, changed)["logits"]
+    np.testing.assert_allclose(a[:, :-1], b[:, :-1], rtol=1e-12)
+    assert not np.allclose(a[:, -1], b[:, -1])
+
+
+# --------------------------------------------------------------------------- #
+# Presets at their real sizes.
+
+
+def expected_op_count(config, optimizer_ops_per_weight=1):
+    if isinstance(config, MLPConfig):
+        # fwd MatMul + Relu, loss + grad, ReluGrad + weight grad, L - 1 input grads, updates.
+        return 6 * config.num_layers + 1
+    # Per block 22 fwd + 34 bwd + 8 updates; embedding 2 + 2 + 2; head 3 + 6 + 3.
+    return 64 * config.num_layers + 18
+
+
+@pytest.mark.parametrize("name", models.model_names())
+def test_every_preset_builds_quickly_at_real_size(name):
+    config = models.get_model_config(name)
+    start = time.perf_counter()
+    fn = models.build_training_step(config, 8, optimizer="adam")
+    elapsed = time.perf_counter() - start
+    assert len(fn.ops) == expected_op_count(config)
+    assert elapsed < 10.0, f"{name}: {elapsed:.1f} s to build {len(fn.ops)} ops"
+    check_contract(fn)
+    check_contract(models.build_inference(name, 8), training=False)
+    assert parameter_count(fn) == config.num_parameters()
+
+
+def parameter_count(fn, exclude=()):
+    keep = set(weight_names(fn)) - set(exclude)
+    return sum(int(v.type.num_elements) for v in fn.inputs if v.name in keep)
+
+
+def test_parameter_counts_match_published_sizes():
+    gpt2 = models.build_inference("gpt2-small", 1)
+    # GPT-2 ties its LM head to the token embedding, so its 124M count has no
+    # separate head; our head is untied (simpler to split), so leave it out.
+    assert parameter_count(gpt2, exclude=("l13.head.w",)) == pytest.approx(124.4e6, rel=0.01)
+    gpt3 = models.build_inference("gpt3-175b", 1)
+    assert parameter_count(gpt3) == pytest.approx(175.0e9, rel=0.01)
+    assert parameter_count(gpt3, exclude=("l97.head.w",)) == pytest.approx(175.0e9, rel=0.01)
+    mlp = models.build_inference("mlp-large", 1)
+    assert parameter_count(mlp) == 96 * 32768**2
+
+
+def test_gpt3_presets_keep_head_dim_128():
+    for name in ("gpt3-xl", "gpt3-6.7b", "gpt3-13b", "gpt3-175b"):
+        assert models.get_model_config(name).head_dim == 128, name
+
+
+# --------------------------------------------------------------------------- #
+# Annotation contract.
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+def test_annotation_contract(config, optimizer):
+    fn = builders(config)[0](config, BATCH, optimizer=optimizer)
+    check_contract(fn)
+    weights = weight_names(fn)
+    assert set(gradient_ops(fn)) == set(weights)
+    assert set(optimizer_ops(fn)) == set(weights)
+    for w, (op_index, out_index) in gradient_ops(fn).items():
+        assert fn.ops[op_index].outputs[out_index].name == f"{w}.grad"
+        assert fn.ops[op_index].attr("phase") == "bwd"
+    # Issue order: forward, then backward, then updates.
+    phases = [op.attr("phase") for op in fn.ops]
+    assert phases == sorted(phases, key=["fwd", "bwd", "opt"].index)
+    outputs = [v.name for v in fn.outputs]
+    states = [f"{w}.{s}.new" for w in weights for s in "mv"] if optimizer == "adam" else []
+    assert outputs == ["loss"] + [f"{w}.new" for w in weights] + states
+    for op in fn.ops:
+        if op.op_type == "Reshape":
+            assert op.attr("shape")[0] == -1, "the batch axis must stay -1"
+            assert (op.attr("tp") is None) == (op.attr("tp_axis") is None)
+
+
+def matmuls_using(fn, weight):
+    return [
+        op
+        for op in fn.ops
+        if op.op_type == "MatMul" and (weight in {v.name for v in op.inputs} or op.attr("grad_of") == weight)
+    ]
+
+
+def test_tensor_parallel_hints_on_transformer():
+    fn = models.transformer_training_step(TINY_GPT, BATCH)
+    for layer in (1, 2):
+        for weight, tp in (("attn.wqkv", "col"), ("attn.wo", "row"), ("mlp.w1", "col"), ("mlp.w2", "row")):
+            ops = matmuls_using(fn, f"l{layer}.{weight}")
+            # forward, input gradient and weight gradient
+            assert len(ops) == 3 and all(op.attr("tp") == tp for op in ops), weight
+        heads = [op.op_type for op in fn.ops if op.attr("layer") == layer and op.attr("tp") == "heads"]
+        assert heads.count("Softmax") == 1 and heads.count("SoftmaxGrad") == 1
+        assert heads.count("MatMul") == 6  # scores, context; their four gradients
+        sharded = {op.op_type for op in fn.ops if op.attr("layer") == layer and op.attr("tp") == "sharded"}
+        assert sharded == {"Gelu", "GeluGrad", "Reshape"}
+    assert all(op.attr("tp") is None for op in fn.ops if op.attr("layer") in (0, 3))
+
+
+def test_tensor_parallel_hints_on_mlp_alternate():
+    fn = models.mlp_training_step(MLPConfig(4, 8), 2)
+    for layer, tp in zip(range(1, 5), ["col", "row", "col", "row"], strict=True):
+        ops = matmuls_using(fn, f"l{layer}.w")
+        assert len(ops) == (3 if layer > 1 else 2) and all(op.attr("tp") == tp for op in ops)
+    relus = {op.attr("layer"): op.attr("tp") for op in fn.ops if op.op_type == "Relu"}
+    assert relus == {1: "sharded", 2: None, 3: "sharded", 4: None}
+
+
+def test_contract_checker_reports_violations():
+    fn = models.mlp_training_step(TINY_MLP, BATCH)
+    bad = list(fn.ops)
+    bad[0] = dataclasses.replace(bad[0], attrs=tuple((k, v) for k, v in bad[0].attrs if k != "phase"))
+    with pytest.raises(ValueError, match="phase=None"):
+        check_contract(fn.replace(ops=tuple(bad)))
+    without_update = fn.replace(ops=tuple(op for op in fn.ops if op.attr("weight") != "l2.w"))
+    with pytest.raises(ValueError, match="l2.w has 0 optimizer ops"):
+        check_contract(without_update)
+
+
+# --------------------------------------------------------------------------- #
+# Size variants.
+
+
+def op_features(fn):
+    for op in fn.ops:
+        ins = tuple(v.type for v in op.inputs)
+        outs = tuple(v.type for v in op.outputs)
+        yield op, get_spec(op.op_type).features(op.attr_dict, ins, outs)
+
+
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+def test_size_variants_give_per_variant_features(config):
+    sizes = np.array([2, 4, 8])
+    build = builders(config)[0]
+    fn = build(config, sizes, optimizer="adam")
+    check_contract(fn)
+    first_matmul = next(f for op, f in op_features(fn) if op.op_type == "MatMul")
+    width = config.hidden
+    per_row = 2 * width * width if isinstance(config, MLPConfig) else 2 * config.seq_len * width * 3 * width
+    np.testing.assert_array_equal(first_matmul.flops, sizes * per_row)
+    # Batch independence: variant i equals building with size i alone.
+    for i, size in enumerate(sizes):
+        alone = build(config, int(size), optimizer="adam")
+        for (op, f), (_, g) in zip(op_features(fn), op_features(alone), strict=True):
+            for field in ("flops", "mem_bytes"):
+                got = np.broadcast_to(getattr(f, field), sizes.shape)[i]
+                assert got == pytest.approx(getattr(g, field)), (op.op_type, field)
+
+
+# --------------------------------------------------------------------------- #
+# Bad inputs.
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda: models.get_model_config("gpt5"), r"name='gpt5'.*gpt2-small"),
+        (lambda: TransformerConfig(2, 10, 3, 11, 4), r"hidden=10 .*num_heads=3"),
+        (lambda: TransformerConfig(0, 8, 2, 11, 4), r"num_layers=0"),
+        (lambda: MLPConfig(2, 8, dtype="f8"), r"dtype='f8'"),
+        (lambda: models.get_model_config("mlp-xs", dtype="i32"), r"dtype='i32'"),
+        (lambda: models.mlp_training_step(TINY_MLP, 0), r"batch_size=0"),
+        (lambda: models.transformer_inference(TINY_GPT, np.array([2, 0])), r"batch_size=array\(\[2, 0\]\)"),
+        (lambda: models.transformer_training_step(TINY_GPT, 2.5), r"batch_size=2.5"),
+        (lambda: models.mlp_training_step(TINY_MLP, 2, optimizer="rmsprop"), r"optimizer='rmsprop'"),
+        (lambda: models.transformer_training_step(TINY_GPT, 2, lr=-1.0), r"lr=-1.0"),
+        (lambda: models.transformer_inference(TINY_MLP, 2), r"config must be a TransformerConfig"),
+    ],
+)
+def test_bad_inputs_raise_value_error_naming_the_parameter(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_public_names_exist():
+    for name in models.__all__:
+        assert hasattr(models, name), name
