@@ -203,7 +203,7 @@ def simulate(
         when the cost model makes it the same on every resource (compute ops
         run on one device; a collective costs its bottleneck on every member)."""
         if "costs" in x:
-            return jnp.broadcast_to(x["costs"], (k, b))
+            return jnp.broadcast_to(x["costs"], (x["costs"].shape[0], b))
         pair = x["link"][0] * num_devices + x["link"][1]  # [] or [B]
         comm = comm_cost(jnp, x["comm_volume"], x["comm_hops"], _gather_one(link_bw, pair), _gather_one(link_lat, pair))
         device = x["dev_get"][0]

@@ -22,6 +22,12 @@ def _check_positive_int(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: {name} must be an int >= 1, got {name}={value!r}")
 
 
+def _as_python_ints(config, names) -> None:
+    # Sizes end up in op attributes, which take Python ints, not NumPy scalars.
+    for name in names:
+        object.__setattr__(config, name, int(getattr(config, name)))
+
+
 def _check_dtype(owner: str, dtype) -> None:
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"{owner}: dtype must be one of {list(MODEL_DTYPES)}, got dtype={dtype!r}")
@@ -44,6 +50,7 @@ class MLPConfig:
     def __post_init__(self):
         _check_positive_int("MLPConfig", "num_layers", self.num_layers)
         _check_positive_int("MLPConfig", "hidden", self.hidden)
+        _as_python_ints(self, ("num_layers", "hidden"))
         _check_dtype("MLPConfig", self.dtype)
 
     def num_parameters(self) -> int:
@@ -79,8 +86,10 @@ class TransformerConfig:
         if self.ffn_hidden is None:
             _check_positive_int(owner, "hidden", self.hidden)
             object.__setattr__(self, "ffn_hidden", 4 * int(self.hidden))
-        for name in ("num_layers", "hidden", "num_heads", "vocab_size", "seq_len", "ffn_hidden"):
+        sizes = ("num_layers", "hidden", "num_heads", "vocab_size", "seq_len", "ffn_hidden")
+        for name in sizes:
             _check_positive_int(owner, name, getattr(self, name))
+        _as_python_ints(self, sizes)
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"{owner}: hidden={self.hidden} must be divisible by num_heads={self.num_heads} "
