@@ -155,7 +155,11 @@ def lower(fn: Function, topology: Topology, *, num_streams: Optional[int] = None
         spec = get_spec(op.op_type)
         f = spec.features(op.attr_dict, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs))
         is_comm[i] = f.is_comm
-        link[i] = topology.bottleneck_link(devices) if f.is_comm else (devices[0], devices[0])
+        if f.is_comm:
+            topology.check_devices(op.comm_group, f"op #{i} {op.op_type}'s group")
+            link[i] = topology.bottleneck_link(op.comm_group)
+        else:
+            link[i] = (devices[0], devices[0])
         for name in features:
             features[name].append(getattr(f, name))
     dep_lists, out_slot, num_slots = _finish_slots(fn, resource)

@@ -56,7 +56,7 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
     f = spec.features(op.attr_dict, ins, outs)
     devices = op.devices
     if f.is_comm:
-        a, b = topology.bottleneck_link(devices)
+        a, b = topology.bottleneck_link(op.comm_group)
         c = comm_cost(
             math, float(f.comm_volume), float(f.comm_hops),
             topology.link_bandwidth[a, b], topology.link_latency[a, b],

@@ -101,6 +101,12 @@ class Op:
         return tuple(seen)
 
     @property
+    def comm_group(self) -> tuple[int, ...]:
+        """Devices a collective is costed over: its ``group`` attribute, else its devices."""
+        group = self.attr("group")
+        return tuple(int(d) for d in group) if group else self.devices
+
+    @property
     def stream(self) -> int:
         return int(self.attr("stream", 0))
 

@@ -5,6 +5,11 @@ Collectives take one value per participating device and return one per device
 one). Costs follow ring algorithms over the group in operand order: features
 give the bytes crossing the slowest link (``comm_volume``) and the number of
 sequential latencies (``comm_hops``); the link itself is chosen at lowering.
+
+Every collective accepts an optional ``group`` attribute: the devices of the
+full group when a symmetry-reduced program simulates only some members (the
+others are identical replicas). Costs then use the full group's size and its
+slowest link, while the op occupies only the devices it really touches.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ def _ring(volume_factor, hops_per_member):
     """Features of a ring collective on ``g`` members moving ``n`` bytes each."""
 
     def features(attrs, ins, outs):
-        group = len({t.device for t in ins + outs})
+        # A symmetry-reduced program keeps one representative replica but
+        # costs each collective over its full group, named by `group`.
+        group = len(attrs["group"]) if "group" in attrs else len({t.device for t in ins + outs})
         n = ins[0].num_bytes
         return OpFeatures(
             comm_volume=volume_factor(group) * n,

@@ -70,6 +70,7 @@ register(
         lambda attrs, ins, outs: free_features(ins, outs),
         lambda attrs, inputs: (_copy(np.reshape(inputs[0], tuple(attrs["shape"]))),),
         num_inputs=1,
+        aliases=((0, 0),),  # a view: the result shares its operand's buffer
     )
 )
 
