@@ -1,1 +1,81 @@
-"""distir-jax: a JAX-accelerated, vectorized simulator for distributed deep-learning strategies."""
+"""distir-jax: a JAX-accelerated, vectorized and differentiable simulator for
+distributed deep-learning execution strategies.
+
+The data flow is one direction::
+
+    models / FunctionBuilder -> Function (IR) -> transforms -> lower() -> Program
+    Program + Hardware -> simulate() (jit, batched over configurations) -> SimResult
+"""
+
+from distir_jax.executor.reference import ReferenceResult, reference_simulate
+from distir_jax.executor.sequential import execute
+from distir_jax.hardware import Hardware, pad_hardware, stack_hardware
+from distir_jax.ir import (
+    Function,
+    FunctionBuilder,
+    Op,
+    OpFeatures,
+    OpSpec,
+    TensorType,
+    Topology,
+    Value,
+    get_spec,
+    infer_types,
+    register,
+    registered_op_types,
+)
+from distir_jax.ir.parser import parse_function
+from distir_jax.ir.printer import print_function
+from distir_jax.kernel import (
+    STATUS_INVALID,
+    STATUS_NAMES,
+    STATUS_OK,
+    STATUS_OUT_OF_MEMORY,
+    SimResult,
+    simulate,
+)
+from distir_jax.lower import NO_DEVICE, NO_RESOURCE, NO_SLOT, Capacity, Program, lower, pad_program, stack_programs
+from distir_jax.presets import get_preset, load_topology, preset_names, save_topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NO_DEVICE",
+    "NO_RESOURCE",
+    "NO_SLOT",
+    "STATUS_INVALID",
+    "STATUS_NAMES",
+    "STATUS_OK",
+    "STATUS_OUT_OF_MEMORY",
+    "Capacity",
+    "Function",
+    "FunctionBuilder",
+    "Hardware",
+    "Op",
+    "OpFeatures",
+    "OpSpec",
+    "Program",
+    "ReferenceResult",
+    "SimResult",
+    "TensorType",
+    "Topology",
+    "Value",
+    "execute",
+    "get_preset",
+    "get_spec",
+    "infer_types",
+    "load_topology",
+    "lower",
+    "pad_hardware",
+    "pad_program",
+    "parse_function",
+    "preset_names",
+    "print_function",
+    "reference_simulate",
+    "register",
+    "registered_op_types",
+    "save_topology",
+    "simulate",
+    "stack_hardware",
+    "stack_programs",
+]

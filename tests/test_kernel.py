@@ -214,3 +214,31 @@ def test_smooth_semantics_converge_and_have_gradients():
 
         grad = jax.grad(step_time)(jnp.asarray(3e9))
         assert np.isfinite(grad) and grad < 0  # faster links, shorter steps
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fns=st.lists(random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2), min_size=2, max_size=6),
+    seed=st.integers(0, 2**31),
+)
+def test_random_mixed_batches_equal_each_alone(fns, seed):
+    topology = random_topology(np.random.default_rng(seed), MAX_DEVICES)
+    programs = [lower(fn, topology) for fn in fns]
+    hardware = pad_hardware(Hardware.from_topology(topology), SMALL.num_devices)
+    with jax.enable_x64(True):
+        batch = simulate(stack_programs(programs, SMALL), hardware, record_ops=True)
+        for i, fn in enumerate(fns):
+            assert_matches_reference(batch, i, fn, topology, 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 512), min_size=2, max_size=6))
+def test_random_size_variants_equal_each_size_alone(sizes):
+    topology = Topology.uniform(2, link_latency=1e-6)
+    with jax.enable_x64(True):
+        result = simulate(lower(_variant_program(np.array(sizes)), topology), Hardware.from_topology(topology),
+                          record_ops=True)
+        # Equal sizes collapse to one concrete dimension: a batch of one.
+        shared = result.step_time.shape[0] == 1
+        for i, size in enumerate(sizes):
+            assert_matches_reference(result, 0 if shared else i, _variant_program(size), topology, 1e-9)
