@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distir_jax.cost import comm_cost, compute_cost
+from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
 from distir_jax.hardware import Hardware
 from distir_jax.lower import Program
 
@@ -165,10 +165,10 @@ def simulate(
     shared = np.ndim(program.resource) == 2
     if shared:
         res, dev, dep = program.resource, program.slot_device, program.dep_slot
-        out, link, is_comm = program.out_slot, program.link, program.is_comm
+        out, link = program.out_slot, program.link
     else:  # per-config structure: ops first, configs last
         res, dev, dep = (jnp.moveaxis(x, 0, -1) for x in (program.resource, program.slot_device, program.dep_slot))
-        out, is_comm = jnp.moveaxis(program.out_slot, 0, -1), jnp.moveaxis(program.is_comm, 0, -1)
+        out = jnp.moveaxis(program.out_slot, 0, -1)
         link = jnp.moveaxis(program.link, 0, -1)
     num_slots = program.num_finish_slots
     xs = dict(
@@ -181,20 +181,30 @@ def simulate(
         dep_ok=(dep >= 0),
         out_set=jnp.where(out < 0, num_slots, out),
         link=link,
-        is_comm=is_comm,
-        flops=_configs_last(program.flops, 1).astype(dtype),
-        mem_bytes=_configs_last(program.mem_bytes, 1).astype(dtype),
-        comm_volume=_configs_last(program.comm_volume, 1).astype(dtype),
-        comm_hops=_configs_last(program.comm_hops, 1).astype(dtype),
+        **{name: _configs_last(getattr(program, name), 1).astype(dtype) for name in COST_FEATURES},
     )
     if costs is not None:
         xs["costs"] = _configs_last(costs, 2).astype(dtype)
     hw = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), hardware)
-    peak_flops = _configs_last(hw.peak_flops, 1)  # [D, Bh]
-    mem_bw = _configs_last(hw.memory_bandwidth, 1)
-    # Links flattened to [D * D, Bh] rows so one index picks a device pair.
-    link_bw = _configs_last(hw.link_bandwidth, 2).reshape(num_devices * num_devices, -1)
-    link_lat = _configs_last(hw.link_latency, 2).reshape(num_devices * num_devices, -1)
+    # Every per-device and per-link number in one table of rows
+    # [1/peak_flops D | 1/memory_bandwidth D | 1/link_bandwidth D*D | latency D*D];
+    # an op reads four rows, each by a scalar index (a dynamic slice: on CPU
+    # that is much cheaper per step than one vector-indexed gather of four).
+    # Reciprocals make the cost formula multiplies, which XLA fuses freely.
+    pairs = num_devices * num_devices
+    hw_table = jnp.concatenate(
+        [
+            1.0 / _configs_last(hw.peak_flops, 1),
+            1.0 / _configs_last(hw.memory_bandwidth, 1),
+            inverse_bandwidth(jnp, _configs_last(hw.link_bandwidth, 2).reshape(pairs, -1)),
+            _configs_last(hw.link_latency, 2).reshape(pairs, -1),
+        ]
+    )  # [2D + 2D^2, Bh], speeds as seconds per flop / byte
+    device = jnp.maximum(dev[:, 0], 0)
+    pair = link[:, 0] * num_devices + link[:, 1]
+    xs["hw_rows"] = jnp.stack(
+        [device, device + num_devices, pair + 2 * num_devices, pair + 2 * num_devices + pairs], axis=1
+    ).astype(jnp.int32)  # [N, 4] or [N, 4, B]
     launch = _configs_last(hw.launch_overhead, 0)  # [Bh]
     maximum = None if temperature is None else (lambda a, c: _max2(a, c, temperature))
 
@@ -204,19 +214,12 @@ def simulate(
         run on one device; a collective costs its bottleneck on every member)."""
         if "costs" in x:
             return jnp.broadcast_to(x["costs"], (x["costs"].shape[0], b))
-        pair = x["link"][0] * num_devices + x["link"][1]  # [] or [B]
-        comm = comm_cost(jnp, x["comm_volume"], x["comm_hops"], _gather_one(link_bw, pair), _gather_one(link_lat, pair))
-        device = x["dev_get"][0]
-        comp = compute_cost(
-            jnp,
-            x["flops"],
-            x["mem_bytes"],
-            _gather_one(peak_flops, device),
-            _gather_one(mem_bw, device),
-            launch,
+        per_flop, per_byte, per_link_byte, link_lat = (_gather_one(hw_table, row) for row in x["hw_rows"])
+        seconds = op_seconds(
+            jnp, x, per_flop, per_byte, launch, per_link_byte, link_lat,
             maximum,
         )
-        return jnp.broadcast_to(jnp.where(x["is_comm"], comm, comp), (b,))
+        return jnp.broadcast_to(seconds, (b,))
 
     def step(carry: _Carry, x):
         slot_ok = x["slot_ok"] if x["slot_ok"].ndim == 2 else x["slot_ok"][:, None]

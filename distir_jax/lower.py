@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.function import Function
 from distir_jax.ir.registry import get_spec
 from distir_jax.ir.topology import Topology
@@ -29,9 +30,7 @@ NO_DEVICE = -1  # the device of an unused slot / a padded resource
 NO_SLOT = -1  # an unused dependency slot, or an op whose finish nobody reads
 
 _STRUCTURE_FIELDS = ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "resource_device")
-_FEATURE_FIELDS = (
-    "flops", "mem_bytes", "comm_volume", "comm_hops", "alloc_bytes", "free_bytes", "resident_bytes", "peak_bytes",
-)
+_FEATURE_FIELDS = COST_FEATURES + ("alloc_bytes", "free_bytes", "resident_bytes", "peak_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +49,8 @@ class Program:
       resource_device: ``[R]`` device of each resource (NO_DEVICE for padding).
       num_ops: ``[]`` number of real (unpadded) ops.
     Features (floats; may carry a leading size-variant axis):
-      flops, mem_bytes, comm_volume, comm_hops: ``[N]``.
+      launches, flops, mem_bytes, linear_flops, linear_bytes, comm_volume,
+        comm_hops: ``[N]`` cost features (see :mod:`distir_jax.cost`).
       alloc_bytes, free_bytes: ``[N, K]`` bytes allocated before / freed after
         the op on each slot's device.
       resident_bytes: ``[D]`` bytes resident from the start on each device.
@@ -70,8 +70,11 @@ class Program:
     is_comm: np.ndarray
     resource_device: np.ndarray
     num_ops: np.ndarray
+    launches: np.ndarray
     flops: np.ndarray
     mem_bytes: np.ndarray
+    linear_flops: np.ndarray
+    linear_bytes: np.ndarray
     comm_volume: np.ndarray
     comm_hops: np.ndarray
     alloc_bytes: np.ndarray
@@ -147,7 +150,7 @@ def lower(fn: Function, topology: Topology, *, num_streams: Optional[int] = None
     slot_device = np.full((n, k), NO_DEVICE, np.int32)
     link = np.zeros((n, 2), np.int32)
     is_comm = np.zeros(n, bool)
-    features = {name: [] for name in ("flops", "mem_bytes", "comm_volume", "comm_hops")}
+    features = {name: [] for name in COST_FEATURES}
     for i, op in enumerate(fn.ops):
         devices = op_devices[i]
         resource[i, : len(devices)] = [d * streams + op.stream for d in devices]
@@ -155,13 +158,10 @@ def lower(fn: Function, topology: Topology, *, num_streams: Optional[int] = None
         spec = get_spec(op.op_type)
         f = spec.features(op.attr_dict, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs))
         is_comm[i] = f.is_comm
-        if f.is_comm:
-            topology.check_devices(op.comm_group, f"op #{i} {op.op_type}'s group")
-            link[i] = topology.bottleneck_link(op.comm_group)
-        else:
-            link[i] = (devices[0], devices[0])
-        for name in features:
-            features[name].append(getattr(f, name))
+        topology.check_devices(op.comm_group, f"op #{i} {op.op_type}'s group")
+        link[i] = topology.bottleneck_link(op.comm_group)
+        for name, value in f.cost_features().items():
+            features[name].append(value)
     dep_lists, out_slot, num_slots = _finish_slots(fn, resource)
     p = max([1] + [len(d) for d in dep_lists])
     dep_slot = np.full((n, p), NO_SLOT, np.int32)
@@ -355,10 +355,7 @@ def pad_program(program: Program, capacity: Capacity) -> Program:
         is_comm=_pad(program.is_comm, (n,), False),
         resource_device=_pad(program.resource_device, (r,), NO_DEVICE),
         num_ops=program.num_ops,
-        flops=_pad(program.flops, (n,), 0.0),
-        mem_bytes=_pad(program.mem_bytes, (n,), 0.0),
-        comm_volume=_pad(program.comm_volume, (n,), 0.0),
-        comm_hops=_pad(program.comm_hops, (n,), 0.0),
+        **{name: _pad(getattr(program, name), (n,), 0.0) for name in COST_FEATURES},
         alloc_bytes=_pad(program.alloc_bytes, (n, k), 0.0),
         free_bytes=_pad(program.free_bytes, (n, k), 0.0),
         resident_bytes=_pad(program.resident_bytes, (d,), 0.0),

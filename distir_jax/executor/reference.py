@@ -21,12 +21,11 @@ Semantics:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from distir_jax.cost import comm_cost, compute_cost
+from distir_jax.cost import inverse_bandwidth, op_seconds
 from distir_jax.ir.function import Function, Op
 from distir_jax.ir.registry import get_spec
 from distir_jax.ir.topology import Topology
@@ -53,23 +52,17 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
     spec = get_spec(op.op_type)
     ins = tuple(v.type for v in op.inputs)
     outs = tuple(v.type for v in op.outputs)
-    f = spec.features(op.attr_dict, ins, outs)
-    devices = op.devices
-    if f.is_comm:
-        a, b = topology.bottleneck_link(op.comm_group)
-        c = comm_cost(
-            math, float(f.comm_volume), float(f.comm_hops),
-            topology.link_bandwidth[a, b], topology.link_latency[a, b],
-        )
-        return {d: float(c) for d in devices}
+    features = {k: float(v) for k, v in spec.features(op.attr_dict, ins, outs).cost_features().items()}
+    a, b = topology.bottleneck_link(op.comm_group)
     return {
         d: float(
-            compute_cost(
-                np, float(f.flops), float(f.mem_bytes), topology.peak_flops[d],
-                topology.memory_bandwidth[d], topology.launch_overhead,
+            op_seconds(
+                np, features, 1.0 / topology.peak_flops[d], 1.0 / topology.memory_bandwidth[d],
+                topology.launch_overhead, inverse_bandwidth(np, topology.link_bandwidth[a, b]),
+                topology.link_latency[a, b],
             )
         )
-        for d in devices
+        for d in op.devices
     }
 
 

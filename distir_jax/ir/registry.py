@@ -35,6 +35,10 @@ class OpFeatures:
       comm_hops: sequential message latencies the algorithm pays.
       is_comm: whether the op is communication (costed by links) rather than
         compute (costed by the device's roofline).
+      launches: kernel launches; ``None`` means 1 for compute, 0 for
+        communication.
+      linear_flops, linear_bytes: flops and bytes whose times add instead of
+        taking the roofline's max (used by coarsened, fused ops).
     """
 
     flops: Dim = 0
@@ -42,6 +46,22 @@ class OpFeatures:
     comm_volume: Dim = 0
     comm_hops: Dim = 0
     is_comm: bool = False
+    launches: Optional[Dim] = None
+    linear_flops: Dim = 0
+    linear_bytes: Dim = 0
+
+    def cost_features(self) -> dict:
+        """The features by the names of :data:`distir_jax.cost.COST_FEATURES`."""
+        launches = self.launches if self.launches is not None else (0 if self.is_comm else 1)
+        return dict(
+            launches=launches,
+            flops=self.flops,
+            mem_bytes=self.mem_bytes,
+            linear_flops=self.linear_flops,
+            linear_bytes=self.linear_bytes,
+            comm_volume=self.comm_volume,
+            comm_hops=self.comm_hops,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
