@@ -45,6 +45,12 @@ def _device_list(attrs, key, what):
     return tuple(int(d) for d in devices)
 
 
+def _group_size(attrs, ins) -> int:
+    """Members of the collective: the full ``group`` when a symmetry-reduced
+    program keeps only some of them, else one per operand."""
+    return len(attrs["group"]) if "group" in attrs else len(ins)
+
+
 def _split_dim(shape, axis, parts, what):
     if not dim_divides(shape[axis], parts):
         raise OpError(
@@ -129,7 +135,7 @@ def _allgather_infer(attrs, ins):
     _group_inputs(ins, "AllGather")
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
     shape = list(ins[0].shape)
-    shape[axis] = shape[axis] * len(ins)
+    shape[axis] = shape[axis] * _group_size(attrs, ins)
     return tuple(t.with_shape(shape) for t in ins)
 
 
@@ -155,7 +161,7 @@ register(
 def _reducescatter_infer(attrs, ins):
     _group_inputs(ins, "ReduceScatter")
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
-    shape = _split_dim(ins[0].shape, axis, len(ins), "ReduceScatter")
+    shape = _split_dim(ins[0].shape, axis, _group_size(attrs, ins), "ReduceScatter")
     return tuple(t.with_shape(shape) for t in ins)
 
 
@@ -183,8 +189,9 @@ def _alltoall_infer(attrs, ins):
     rank = ins[0].rank
     split_axis = normalize_axis(int(attrs.get("split_axis", 0)), rank)
     concat_axis = normalize_axis(int(attrs.get("concat_axis", 0)), rank)
-    shape = list(_split_dim(ins[0].shape, split_axis, len(ins), "AllToAll"))
-    shape[concat_axis] = shape[concat_axis] * len(ins)
+    g = _group_size(attrs, ins)
+    shape = list(_split_dim(ins[0].shape, split_axis, g, "AllToAll"))
+    shape[concat_axis] = shape[concat_axis] * g
     return tuple(t.with_shape(shape) for t in ins)
 
 
