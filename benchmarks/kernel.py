@@ -75,7 +75,9 @@ def measure(batch: int, num_ops: int, num_devices: int, reference_cache: dict) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="only B=1024, N=2048, D=8")
     args = parser.parse_args()
     grid = (
@@ -83,21 +85,29 @@ def main() -> None:
         if args.quick
         else [(b, n, d) for d in (8, 64) for n in (256, 2048, 16384) for b in (1, 64, 1024, 8192)]
     )
-    print(f"# {platform.node()} {platform.processor() or platform.machine()} jax {jax.__version__} "
-          f"backend={jax.default_backend()} devices={jax.devices()}")
-    header = f"{'B':>5} {'N':>6} {'D':>3} {'compile s':>9} {'kernel s':>9} {'configs/s':>10} " \
-             f"{'op-upd/s':>9} {'ref s/cfg':>9} {'speedup':>8}"
+    print(
+        f"# {platform.node()} {platform.processor() or platform.machine()} jax {jax.__version__} "
+        f"backend={jax.default_backend()} devices={jax.devices()}"
+    )
+    header = (
+        f"{'B':>5} {'N':>6} {'D':>3} {'compile s':>9} {'kernel s':>9} {'configs/s':>10} "
+        f"{'op-upd/s':>9} {'ref s/cfg':>9} {'speedup':>8}"
+    )
     print(header)
     cache: dict = {}
     rows = []
     for b, n, d in grid:
         r = measure(b, n, d, cache)
         rows.append(r)
-        print(f"{r['B']:>5} {r['N']:>6} {r['D']:>3} {r['compile_s']:>9.2f} {r['kernel_s']:>9.4f} "
-              f"{r['configs_per_s']:>10.3g} {r['op_updates_per_s']:>9.3g} {r['reference_s_per_config']:>9.4f} "
-              f"{r['speedup']:>8.0f}", flush=True)
+        print(
+            f"{r['B']:>5} {r['N']:>6} {r['D']:>3} {r['compile_s']:>9.2f} {r['kernel_s']:>9.4f} "
+            f"{r['configs_per_s']:>10.3g} {r['op_updates_per_s']:>9.3g} {r['reference_s_per_config']:>9.4f} "
+            f"{r['speedup']:>8.0f}",
+            flush=True,
+        )
     target = next(r for r in rows if (r["B"], r["N"], r["D"]) == (1024, 2048, 8))
-    print(f"kernel_speedup_vs_reference={target['speedup']:.0f} op_updates_per_s={target['op_updates_per_s']:.3g}")
+    speedup, updates = target["speedup"], target["op_updates_per_s"]
+    print(f"kernel_speedup_vs_reference={speedup:.0f} op_updates_per_s={updates:.3g}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,16 @@ from distir_jax.kernel import (
     SimResult,
     simulate,
 )
-from distir_jax.lower import NO_DEVICE, NO_RESOURCE, NO_SLOT, Capacity, Program, lower, pad_program, stack_programs
+from distir_jax.lower import (
+    NO_DEVICE,
+    NO_RESOURCE,
+    NO_SLOT,
+    Capacity,
+    Program,
+    lower,
+    pad_program,
+    stack_programs,
+)
 from distir_jax.presets import get_preset, load_topology, preset_names, save_topology
 
 __version__ = "0.1.0"

@@ -26,7 +26,13 @@ COST_FEATURES = ("launches", "flops", "mem_bytes", "linear_flops", "linear_bytes
 
 
 def op_seconds(
-    xp, features, seconds_per_flop, seconds_per_byte, launch_overhead, seconds_per_link_byte, link_latency,
+    xp,
+    features,
+    seconds_per_flop,
+    seconds_per_byte,
+    launch_overhead,
+    seconds_per_link_byte,
+    link_latency,
     maximum=None,
 ):
     """Seconds one op occupies a resource.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -32,7 +32,7 @@ class Hardware:
     launch_overhead: np.ndarray
 
     @classmethod
-    def from_topology(cls, topology: Topology) -> "Hardware":
+    def from_topology(cls, topology: Topology) -> Hardware:
         return cls(
             peak_flops=np.asarray(topology.peak_flops),
             memory_bandwidth=np.asarray(topology.memory_bandwidth),
@@ -50,7 +50,7 @@ class Hardware:
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(np.shape(self.peak_flops)[:-1])
 
-    def replace(self, **changes) -> "Hardware":
+    def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
 

@@ -18,7 +18,7 @@ gradients for strategy search.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +51,8 @@ class SimResult(NamedTuple):
     peak_memory: jax.Array
     busy_time: jax.Array
     status: jax.Array
-    op_start: Optional[jax.Array] = None
-    op_finish: Optional[jax.Array] = None
+    op_start: jax.Array | None = None
+    op_finish: jax.Array | None = None
 
 
 class _Carry(NamedTuple):
@@ -125,10 +125,10 @@ def batch_size(program: Program, hardware: Hardware, costs=None) -> int:
 def simulate(
     program: Program,
     hardware: Hardware,
-    costs: Optional[jax.Array] = None,
-    valid: Optional[jax.Array] = None,
+    costs: jax.Array | None = None,
+    valid: jax.Array | None = None,
     *,
-    temperature: Optional[float] = None,
+    temperature: float | None = None,
     record_ops: bool = False,
 ) -> SimResult:
     """Simulates a batch of configurations in one call.
@@ -167,7 +167,9 @@ def simulate(
         res, dev, dep = program.resource, program.slot_device, program.dep_slot
         out, link = program.out_slot, program.link
     else:  # per-config structure: ops first, configs last
-        res, dev, dep = (jnp.moveaxis(x, 0, -1) for x in (program.resource, program.slot_device, program.dep_slot))
+        res, dev, dep = (
+            jnp.moveaxis(x, 0, -1) for x in (program.resource, program.slot_device, program.dep_slot)
+        )
         out = jnp.moveaxis(program.out_slot, 0, -1)
         link = jnp.moveaxis(program.link, 0, -1)
     num_slots = program.num_finish_slots
@@ -216,7 +218,13 @@ def simulate(
             return jnp.broadcast_to(x["costs"], (x["costs"].shape[0], b))
         per_flop, per_byte, per_link_byte, link_lat = (_gather_one(hw_table, row) for row in x["hw_rows"])
         seconds = op_seconds(
-            jnp, x, per_flop, per_byte, launch, per_link_byte, link_lat,
+            jnp,
+            x,
+            per_flop,
+            per_byte,
+            launch,
+            per_link_byte,
+            link_lat,
             maximum,
         )
         return jnp.broadcast_to(seconds, (b,))

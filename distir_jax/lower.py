@@ -13,7 +13,7 @@ the feature fields.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -84,7 +84,7 @@ class Program:
     num_finish_slots: int
 
     @property
-    def capacity(self) -> "Capacity":
+    def capacity(self) -> Capacity:
         return Capacity(
             num_ops=self.resource.shape[-2],
             slots_per_op=self.resource.shape[-1],
@@ -94,7 +94,7 @@ class Program:
             num_resources=self.resource_device.shape[-1],
         )
 
-    def replace(self, **changes) -> "Program":
+    def replace(self, **changes) -> Program:
         return dataclasses.replace(self, **changes)
 
 
@@ -116,16 +116,16 @@ class Capacity:
     num_devices: int
     num_resources: int
 
-    def union(self, other: "Capacity") -> "Capacity":
+    def union(self, other: Capacity) -> Capacity:
         return Capacity(*(max(a, b) for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
-    def bucketed(self) -> "Capacity":
+    def bucketed(self) -> Capacity:
         """Rounds every size up to a power of two, to share compiled kernels."""
         up = lambda n: 1 << max(0, int(n) - 1).bit_length()  # noqa: E731
         return Capacity(*(up(n) for n in dataclasses.astuple(self)))
 
 
-def lower(fn: Function, topology: Topology, *, num_streams: Optional[int] = None) -> Program:
+def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -> Program:
     """Lowers ``fn`` on ``topology`` to a :class:`Program`.
 
     Args:
@@ -371,7 +371,7 @@ def _pad(x: np.ndarray, trailing: tuple, fill) -> np.ndarray:
     return np.pad(x, widths, constant_values=fill)
 
 
-def stack_programs(programs: Sequence[Program], capacity: Optional[Capacity] = None) -> Program:
+def stack_programs(programs: Sequence[Program], capacity: Capacity | None = None) -> Program:
     """Pads programs of different structure to one capacity and stacks them: ``[B, ...]``.
 
     Programs with size variants contribute one batch entry per variant.

@@ -64,7 +64,10 @@ def slot_costs(fn, rng, capacity):
 
 @pytest.mark.parametrize("x64,rtol", [(True, 1e-9), (False, 1e-5)])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fn=random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2), seed=st.integers(0, 2**31))
+@given(
+    fn=random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2),
+    seed=st.integers(0, 2**31),
+)
 def test_random_programs_match_reference(x64, rtol, fn, seed):
     topology = random_topology(np.random.default_rng(seed), MAX_DEVICES)
     with jax.enable_x64(x64):
@@ -73,7 +76,10 @@ def test_random_programs_match_reference(x64, rtol, fn, seed):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fn=random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2), seed=st.integers(0, 2**31))
+@given(
+    fn=random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2),
+    seed=st.integers(0, 2**31),
+)
 def test_explicit_uneven_costs_match_reference(fn, seed):
     # Per-device costs differ inside one op, so dependencies on multi-device
     # ops cannot be replaced by resource order: the finish slots are exercised.
@@ -88,7 +94,10 @@ def test_explicit_uneven_costs_match_reference(fn, seed):
 @pytest.mark.parametrize("num_streams", [1, 2])
 def test_mixed_structure_batch_equals_each_alone(num_streams):
     rng = np.random.default_rng(num_streams)
-    fns = [random_function(seed, int(rng.integers(20, 200)), 4, num_streams, batch=8, hidden=16) for seed in range(6)]
+    fns = [
+        random_function(seed, int(rng.integers(20, 200)), 4, num_streams, batch=8, hidden=16)
+        for seed in range(6)
+    ]
     topology = random_topology(rng, 4)
     programs = [lower(fn, topology) for fn in fns]
     capacity = programs[0].capacity
@@ -178,7 +187,9 @@ def test_padding_touches_nothing():
     np.testing.assert_allclose(a.peak_memory, b.peak_memory[:, :4], rtol=1e-6)
     assert np.all(np.asarray(b.peak_memory)[:, 4:] == 0)
     assert np.all(np.asarray(b.busy_time)[:, 4:] == 0)
-    np.testing.assert_allclose(np.asarray(b.op_start)[0, len(fn.ops):], np.asarray(b.op_start)[0, len(fn.ops):] * 0)
+    np.testing.assert_allclose(
+        np.asarray(b.op_start)[0, len(fn.ops) :], np.asarray(b.op_start)[0, len(fn.ops) :] * 0
+    )
 
 
 def test_hardware_device_mismatch_is_a_clear_error():
@@ -218,7 +229,11 @@ def test_smooth_semantics_converge_and_have_gradients():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    fns=st.lists(random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2), min_size=2, max_size=6),
+    fns=st.lists(
+        random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2),
+        min_size=2,
+        max_size=6,
+    ),
     seed=st.integers(0, 2**31),
 )
 def test_random_mixed_batches_equal_each_alone(fns, seed):
@@ -236,8 +251,11 @@ def test_random_mixed_batches_equal_each_alone(fns, seed):
 def test_random_size_variants_equal_each_size_alone(sizes):
     topology = Topology.uniform(2, link_latency=1e-6)
     with jax.enable_x64(True):
-        result = simulate(lower(_variant_program(np.array(sizes)), topology), Hardware.from_topology(topology),
-                          record_ops=True)
+        result = simulate(
+            lower(_variant_program(np.array(sizes)), topology),
+            Hardware.from_topology(topology),
+            record_ops=True,
+        )
         # Equal sizes collapse to one concrete dimension: a batch of one.
         shared = result.step_time.shape[0] == 1
         for i, size in enumerate(sizes):

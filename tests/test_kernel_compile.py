@@ -14,8 +14,10 @@ def test_programs_padded_to_one_capacity_reuse_one_compiled_kernel():
     topology = Topology.uniform(4)
     capacity = Capacity(256, 4, 8, 128, 4, 4)
     hardware = pad_hardware(Hardware.from_topology(topology), capacity.num_devices)
-    programs = [pad_program(lower(random_function(s, 40 + 30 * s, 4, batch=8, hidden=16), topology), capacity)
-                for s in range(5)]
+    programs = [
+        pad_program(lower(random_function(s, 40 + 30 * s, 4, batch=8, hidden=16), topology), capacity)
+        for s in range(5)
+    ]
     assert len({p.num_ops.item() for p in programs}) == 5
     simulate(programs[0], hardware)  # warm the cache
     before = simulate._cache_size()

@@ -21,7 +21,7 @@ Semantics:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -57,8 +57,12 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
     return {
         d: float(
             op_seconds(
-                np, features, 1.0 / topology.peak_flops[d], 1.0 / topology.memory_bandwidth[d],
-                topology.launch_overhead, inverse_bandwidth(np, topology.link_bandwidth[a, b]),
+                np,
+                features,
+                1.0 / topology.peak_flops[d],
+                1.0 / topology.memory_bandwidth[d],
+                topology.launch_overhead,
+                inverse_bandwidth(np, topology.link_bandwidth[a, b]),
                 topology.link_latency[a, b],
             )
         )
@@ -68,10 +72,10 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
 
 def reference_simulate(
     fn: Function,
-    topology: Optional[Topology] = None,
+    topology: Topology | None = None,
     *,
-    costs: Optional[CostTable] = None,
-    cost_fn: Optional[Callable[[Op, Topology], Mapping[int, float]]] = None,
+    costs: CostTable | None = None,
+    cost_fn: Callable[[Op, Topology], Mapping[int, float]] | None = None,
 ) -> ReferenceResult:
     """Simulates ``fn`` one op at a time.
 

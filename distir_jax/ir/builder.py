@@ -14,7 +14,7 @@ the line that made it.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 from distir_jax.ir.function import Function, Op, Value
 from distir_jax.ir.typecheck import infer_op_types
@@ -29,7 +29,7 @@ class FunctionBuilder:
         self._names: set[str] = set()
         self._counter = 0
 
-    def _fresh(self, hint: Optional[str]) -> str:
+    def _fresh(self, hint: str | None) -> str:
         if hint is not None:
             if hint in self._names:
                 raise ValueError(f"value name %{hint} is already used in function {self.name}")
@@ -52,9 +52,9 @@ class FunctionBuilder:
         self,
         op_type: str,
         *inputs: Value,
-        names: Union[None, str, Sequence[str]] = None,
+        names: None | str | Sequence[str] = None,
         **attrs,
-    ) -> Union[Value, tuple[Value, ...]]:
+    ) -> Value | tuple[Value, ...]:
         """Appends an op; returns its result, or a tuple when it has several."""
         inputs = tuple(inputs)
         for v in inputs:

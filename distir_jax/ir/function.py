@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from distir_jax.ir.types import TensorType
 
@@ -34,15 +35,12 @@ def _freeze_attr(key: str, value: AttrValue) -> AttrValue:
     if isinstance(value, tuple):
         for item in value:
             if isinstance(item, (tuple, list, dict)):
-                raise ValueError(
-                    f"attribute {key!r}: nested sequences are not supported, got {value!r}"
-                )
+                raise ValueError(f"attribute {key!r}: nested sequences are not supported, got {value!r}")
         return value
     if isinstance(value, (bool, int, float, str)):
         return value
     raise ValueError(
-        f"attribute {key!r} must be an int, float, str, bool or a tuple of those, "
-        f"got {type(value).__name__}"
+        f"attribute {key!r} must be an int, float, str, bool or a tuple of those, got {type(value).__name__}"
     )
 
 
@@ -51,12 +49,12 @@ class Value:
     """A named SSA value. ``type`` is ``None`` until type inference runs."""
 
     name: str
-    type: Optional[TensorType] = None
+    type: TensorType | None = None
 
     def __post_init__(self):
         check_name(self.name, "value")
 
-    def with_type(self, type_: TensorType) -> "Value":
+    def with_type(self, type_: TensorType) -> Value:
         return Value(self.name, type_)
 
 
@@ -149,7 +147,7 @@ class Function:
         """Index of the op producing each non-input value."""
         return {v.name: i for i, op in enumerate(self.ops) for v in op.outputs}
 
-    def replace(self, **changes) -> "Function":
+    def replace(self, **changes) -> Function:
         return dataclasses.replace(self, **changes)
 
     def __str__(self) -> str:

@@ -53,9 +53,7 @@ def _group_size(attrs, ins) -> int:
 
 def _split_dim(shape, axis, parts, what):
     if not dim_divides(shape[axis], parts):
-        raise OpError(
-            f"{what}: dimension {axis} of size {dim_str(shape[axis])} is not divisible by {parts}"
-        )
+        raise OpError(f"{what}: dimension {axis} of size {dim_str(shape[axis])} is not divisible by {parts}")
     shape = list(shape)
     shape[axis] = shape[axis] // parts
     return tuple(shape)

@@ -9,7 +9,7 @@ op type is one :func:`register` call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class OpFeatures:
     comm_volume: Dim = 0
     comm_hops: Dim = 0
     is_comm: bool = False
-    launches: Optional[Dim] = None
+    launches: Dim | None = None
     linear_flops: Dim = 0
     linear_bytes: Dim = 0
 
@@ -83,7 +83,7 @@ class OpSpec:
     infer: Callable[[Attrs, tuple[TensorType, ...]], tuple[TensorType, ...]]
     features: Callable[[Attrs, tuple[TensorType, ...], tuple[TensorType, ...]], OpFeatures]
     evaluate: Callable[[Attrs, Sequence[np.ndarray]], Sequence[np.ndarray]]
-    num_inputs: Optional[int] = None
+    num_inputs: int | None = None
     single_device: bool = True
     aliases: tuple[tuple[int, int], ...] = ()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from distir_jax.ir.registry import OpError, OpFeatures
 from distir_jax.ir.types import Dim, TensorType, dim_str, dims_equal
@@ -50,8 +50,7 @@ def same_shape(types: Sequence[TensorType], what: str = "operands") -> tuple[Dim
     for t in types[1:]:
         if t.rank != first.rank or not all(dims_equal(x, y) for x, y in zip(t.shape, first.shape)):
             raise OpError(
-                f"{what} must have equal shapes, got "
-                + " and ".join(shape_str(u.shape) for u in types)
+                f"{what} must have equal shapes, got " + " and ".join(shape_str(u.shape) for u in types)
             )
     return first.shape
 

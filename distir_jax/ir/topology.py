@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class Topology:
     link_bandwidth: np.ndarray
     link_latency: np.ndarray
     launch_overhead: float = 0.0
-    node_of_device: Optional[np.ndarray] = None
+    node_of_device: np.ndarray | None = None
 
     def __post_init__(self):
         n = int(np.asarray(self.peak_flops).reshape(-1).shape[0])
@@ -61,7 +61,11 @@ class Topology:
         if float(self.launch_overhead) < 0:
             raise ValueError(f"launch_overhead must be >= 0, got {self.launch_overhead}")
         set_("launch_overhead", float(self.launch_overhead))
-        nodes = np.zeros(n, np.int64) if self.node_of_device is None else np.asarray(self.node_of_device, np.int64)
+        nodes = (
+            np.zeros(n, np.int64)
+            if self.node_of_device is None
+            else np.asarray(self.node_of_device, np.int64)
+        )
         if nodes.shape != (n,):
             raise ValueError(f"node_of_device must have shape [{n}], got {nodes.shape}")
         nodes.setflags(write=False)
@@ -86,7 +90,7 @@ class Topology:
         link_latency: float = 0.0,
         launch_overhead: float = 1e-5,
         name: str = "uniform",
-    ) -> "Topology":
+    ) -> Topology:
         """Identical devices, every pair linked alike (DistIR's defaults)."""
         if num_devices < 1:
             raise ValueError(f"num_devices must be >= 1, got {num_devices}")

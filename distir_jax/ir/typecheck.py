@@ -20,9 +20,7 @@ def infer_op_types(op: Op, index: int, input_types: tuple[TensorType, ...]) -> t
     except ValueError as e:
         raise ValueError(f"{_where(op, index)}: {e}") from None
     if spec.num_inputs is not None and len(input_types) != spec.num_inputs:
-        raise ValueError(
-            f"{_where(op, index)}: expected {spec.num_inputs} operands, got {len(input_types)}"
-        )
+        raise ValueError(f"{_where(op, index)}: expected {spec.num_inputs} operands, got {len(input_types)}")
     if spec.single_device:
         devices = sorted({t.device for t in input_types})
         if len(devices) > 1:

@@ -30,9 +30,7 @@ DTYPE_BYTES = {
 
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPE_BYTES:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
-        )
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
     return dtype
 
 
@@ -47,8 +45,7 @@ def normalize_dim(dim) -> Dim:
     arr = np.asarray(dim)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.size == 0:
         raise ValueError(
-            "a dimension must be an int or a non-empty 1-D integer array of size "
-            f"variants, got {dim!r}"
+            f"a dimension must be an int or a non-empty 1-D integer array of size variants, got {dim!r}"
         )
     if np.any(arr < 0):
         raise ValueError(f"dimension variants must be >= 0, got {arr}")
@@ -118,10 +115,10 @@ class TensorType:
     def num_bytes(self) -> Dim:
         return self.num_elements * DTYPE_BYTES[self.dtype]
 
-    def with_shape(self, shape) -> "TensorType":
+    def with_shape(self, shape) -> TensorType:
         return TensorType(tuple(shape), self.dtype, self.device)
 
-    def on(self, device: int) -> "TensorType":
+    def on(self, device: int) -> TensorType:
         return TensorType(self.shape, self.dtype, device)
 
     def __eq__(self, other) -> bool:

@@ -22,7 +22,8 @@ relates to the original ``fn``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Union
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class InputSlice:
     source: str
     splits: tuple[Split, ...] = ()
 
-    def then(self, axis: int, index: int, parts: int) -> "InputSlice":
+    def then(self, axis: int, index: int, parts: int) -> InputSlice:
         return InputSlice(self.source, self.splits + ((axis, index, parts),))
 
     def cut(self, value: np.ndarray) -> np.ndarray:
@@ -54,17 +55,17 @@ class Recipe:
     Either a leaf (``name`` set) or a combination of ``parts``.
     """
 
-    name: Optional[str] = None
+    name: str | None = None
     kind: str = "leaf"  # "leaf" | "concat" | "sum" | "replica"
-    parts: tuple["Recipe", ...] = ()
+    parts: tuple[Recipe, ...] = ()
     axis: int = 0
 
     @staticmethod
-    def leaf(name: str) -> "Recipe":
+    def leaf(name: str) -> Recipe:
         return Recipe(name=name)
 
     @staticmethod
-    def combine(kind: str, parts, axis: int = 0) -> "Recipe":
+    def combine(kind: str, parts, axis: int = 0) -> Recipe:
         if kind not in ("concat", "sum", "replica"):
             raise ValueError(f"unknown recipe kind {kind!r}; expected concat, sum or replica")
         parts = tuple(parts)
@@ -77,7 +78,7 @@ class Recipe:
             return (self.name,)
         return tuple(n for p in self.parts for n in p.leaves())
 
-    def substitute(self, table: Mapping[str, "Recipe"]) -> "Recipe":
+    def substitute(self, table: Mapping[str, Recipe]) -> Recipe:
         """Replaces each leaf by ``table[leaf]`` (composing two transforms)."""
         if self.kind == "leaf":
             return table[self.name]
@@ -94,7 +95,9 @@ class Recipe:
             return np.sum(np.stack(built), axis=0)
         for other, part in zip(built[1:], self.parts[1:]):
             if not np.allclose(other, built[0], rtol=rtol, atol=atol):
-                raise AssertionError(f"replicas disagree: {part.leaves()} differs from {self.parts[0].leaves()}")
+                raise AssertionError(
+                    f"replicas disagree: {part.leaves()} differs from {self.parts[0].leaves()}"
+                )
         return built[0]
 
 
@@ -107,14 +110,14 @@ class Distributed:
     outputs: Mapping[str, Recipe]
 
     @staticmethod
-    def identity(fn: Function) -> "Distributed":
+    def identity(fn: Function) -> Distributed:
         return Distributed(
             fn,
             {v.name: InputSlice(v.name) for v in fn.inputs},
             {v.name: Recipe.leaf(v.name) for v in fn.outputs},
         )
 
-    def then(self, step: "Distributed") -> "Distributed":
+    def then(self, step: Distributed) -> Distributed:
         """Composes: ``step`` transformed ``self.function``; relate it to the original."""
         inputs = {}
         for name, sl in step.inputs.items():
@@ -127,7 +130,9 @@ class Distributed:
         """Input arrays for the new program, cut from the original program's inputs."""
         return {name: sl.cut(np.asarray(original[sl.source])) for name, sl in self.inputs.items()}
 
-    def gather_outputs(self, new_values: Mapping[str, np.ndarray], rtol: float = 1e-9) -> dict[str, np.ndarray]:
+    def gather_outputs(
+        self, new_values: Mapping[str, np.ndarray], rtol: float = 1e-9
+    ) -> dict[str, np.ndarray]:
         """The original program's outputs, rebuilt from the new program's outputs."""
         return {name: recipe.build(new_values, rtol) for name, recipe in self.outputs.items()}
 

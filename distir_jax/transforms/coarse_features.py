@@ -1,0 +1,254 @@
+"""Per-layer features for coarse pipeline programs, measured on one fine block.
+
+A GPT's blocks are identical, so one block's training step, built by the real
+model builder and transforms (tensor parallel with ``representative_only``,
+then recomputation) and lowered once with the microbatch size as a vector of
+size variants, gives the costs and memory events of every block of every
+coarse pipeline program with that tensor degree, policy and hardware.
+:func:`layer_features` builds a one-block model (layer 0: embedding; layer 1:
+the block; layer 2: final LayerNorm, head and loss), fuses its ops by
+``(layer, direction)`` with :func:`~distir_jax.transforms.coarse_fuse.coarsen`
+and keeps, per part and direction (``F``: forward; ``B``: recomputation and
+backward):
+
+* the fused cost features (roofline split into linear terms on the
+  topology's first device, see :mod:`coarse_fuse`); tensor-parallel
+  collectives are part of them, as communication on the TP group's link;
+* the memory events: the peak rise above the live bytes at the part's start
+  and the net bytes it leaves allocated. Chained, these reproduce what the
+  forward keeps for the backward (only the block input under ``"full"``
+  recomputation, no attention scores under ``"attention"``, ...) and what the
+  backward frees, without any formula for activation sizes;
+* the raw roofline flops (to balance stages and estimate step times).
+
+Per part also: the weight, gradient and Adam-state bytes of the
+representative rank, the fused optimizer update, and (for any data-parallel
+degree) the gradient all-reduce or ZeRO reduce-scatter / all-gather features,
+from the communication ops' own registry entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from distir_jax.cost import COST_FEATURES
+from distir_jax.ir.registry import get_spec
+from distir_jax.ir.topology import Topology
+from distir_jax.ir.types import DTYPE_BYTES
+from distir_jax.lower import lower
+from distir_jax.models.config import TransformerConfig
+from distir_jax.models.transformer import transformer_training_step
+from distir_jax.transforms.coarse_fuse import fuse_groups
+
+__all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features"]
+
+PARTS = ("embed", "block", "head")
+DIRECTIONS = ("F", "B")
+_FEATURE_INDEX = {name: i for i, name in enumerate(COST_FEATURES)}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerFeatures:
+    """Features of a GPT's parts on one microbatch, for ``S`` microbatch sizes.
+
+    Parts are ``PARTS`` (embedding, one block, head + loss); directions are
+    ``DIRECTIONS``. ``F = len(COST_FEATURES)``.
+
+    Attributes:
+      model: the model (all its blocks share these features).
+      tensor: tensor-parallel degree ``t`` (features are rank 0's).
+      recompute: the recomputation policy.
+      microbatch_sizes: ``[S]`` samples per microbatch.
+      step: ``[3, 2, S, F]`` fused cost features of a part's pass.
+      step_flops: ``[3, 2, S]`` raw flops of the pass (for balancing stages).
+      peak_rise: ``[3, 2, S]`` bytes above the start's live bytes at the
+        pass's peak.
+      net_bytes: ``[3, 2, S]`` bytes the pass leaves allocated (negative when
+        it frees more than it allocates).
+      message_bytes: ``[S]`` one block output (or its gradient): a pipeline message.
+      data_bytes: ``[S]`` one microbatch's token ids (its labels are as large).
+      param_bytes: ``[3]`` weight bytes of each part (gradients are as large).
+      state_bytes: ``[3]`` optimizer state bytes of each part.
+      optimizer: ``[3, F]`` fused optimizer update of each part's weights.
+      grad_types: per part, the types of its weight gradients.
+    """
+
+    model: TransformerConfig
+    tensor: int
+    recompute: str
+    microbatch_sizes: np.ndarray
+    step: np.ndarray
+    step_flops: np.ndarray
+    peak_rise: np.ndarray
+    net_bytes: np.ndarray
+    message_bytes: np.ndarray
+    data_bytes: np.ndarray
+    param_bytes: np.ndarray
+    state_bytes: np.ndarray
+    optimizer: np.ndarray
+    grad_types: tuple
+
+    @property
+    def num_variants(self) -> int:
+        return int(self.microbatch_sizes.shape[0])
+
+    def data_parallel(self, degree: int, zero: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Gradient communication of each part over ``degree`` replicas (ring collectives).
+
+        Returns:
+          ``(reduce, gather)``, each ``[3, F]``: an ``AllReduce`` per gradient
+          (``zero=False``; ``gather`` is zero), or a ``ReduceScatter`` of each
+          gradient and an ``AllGather`` of each updated weight shard.
+        """
+        return _data_parallel(self, int(degree), bool(zero))
+
+
+def layer_features(
+    model: TransformerConfig,
+    tensor: int,
+    recompute: str,
+    microbatch_sizes,
+    topology: Topology,
+    *,
+    optimizer: str = "adam",
+) -> LayerFeatures:
+    """Features of ``model``'s parts under tensor degree ``tensor`` and a recompute policy.
+
+    Cached by ``(model, tensor, recompute, microbatch sizes, topology,
+    optimizer)``; the model carries its dtype and the topology its hardware.
+
+    Args:
+      model: a GPT configuration (its ``num_layers`` is ignored: one block is built).
+      tensor: tensor-parallel degree; must divide the heads and widths.
+      recompute: ``"none"``, ``"attention"`` or ``"full"``.
+      microbatch_sizes: an int or 1-D ints, the size variants ``S``.
+      topology: at least ``tensor`` devices; its device 0 decides which ops
+        are compute-bound, and its links are not used (coarse programs cost
+        each collective on its own group's link).
+      optimizer: ``"adam"`` or ``"sgd"``.
+
+    Returns:
+      A :class:`LayerFeatures`.
+    """
+    sizes = tuple(int(b) for b in np.atleast_1d(np.asarray(microbatch_sizes)))
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"microbatch_sizes must be ints >= 1, got {microbatch_sizes!r}")
+    return _layer_features(model, int(tensor), recompute, sizes, topology, optimizer)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerFeatures:
+    from distir_jax.transforms.recompute import recompute as recompute_transform
+    from distir_jax.transforms.tensor_parallel import tensor_parallel
+
+    one_block = dataclasses.replace(model, num_layers=1)
+    batch = np.asarray(sizes, np.int64) if len(sizes) > 1 else sizes[0]
+    fn = transformer_training_step(one_block, batch, optimizer=optimizer)
+    if tensor > 1:
+        fn = tensor_parallel(fn, tensor, representative_only=True).function
+    fn = recompute_transform(fn, policy).function
+    s = len(sizes)
+
+    def label(op):
+        phase, layer = op.attr("phase"), op.attr("layer")
+        if phase == "opt":
+            return ("opt", layer)
+        return (layer, "B" if phase == "bwd" or op.attr("recompute", False) else "F")
+
+    labels = [label(op) for op in fn.ops]
+    fine = lower(fn, topology)
+    coarse, member_group = fuse_groups(fine, labels, topology)
+    index = {labels[i]: int(member_group[i]) for i in range(len(labels))}
+
+    def per_variant(x):  # [G] or [S, G] -> [S, G]
+        x = np.asarray(x, np.float64)
+        return np.broadcast_to(x, (s,) + x.shape[-1:]) if x.ndim == 1 else x
+
+    feats = np.stack([per_variant(getattr(coarse, name)) for name in COST_FEATURES], axis=-1)  # [S, G, F]
+    alloc = per_variant(np.asarray(coarse.alloc_bytes)[..., 0])
+    freed = per_variant(np.asarray(coarse.free_bytes)[..., 0])
+    raw_flops = per_variant(fine.flops)
+    step = np.zeros((3, 2, s, len(COST_FEATURES)))
+    step_flops = np.zeros((3, 2, s))
+    rise = np.zeros((3, 2, s))
+    net = np.zeros((3, 2, s))
+    for part in range(3):
+        for d, direction in enumerate(DIRECTIONS):
+            g = index.get((part, direction))
+            if g is None:
+                continue
+            step[part, d] = feats[:, g]
+            rise[part, d] = alloc[:, g]
+            net[part, d] = alloc[:, g] - freed[:, g]
+            mask = np.asarray([lab == (part, direction) for lab in labels])
+            step_flops[part, d] = raw_flops[:, mask].sum(axis=1)
+    optimizer_features = np.zeros((3, len(COST_FEATURES)))
+    params = np.zeros(3)
+    state = np.zeros(3)
+    grads: list[list] = [[], [], []]
+    for op in fn.ops:
+        if op.attr("phase") != "opt":
+            continue
+        part = op.attr("layer")
+        params[part] += float(op.inputs[0].type.num_bytes)
+        state[part] += sum(float(v.type.num_bytes) for v in op.inputs[2:])
+        grads[part].append(op.inputs[1].type)
+    for part in range(3):
+        optimizer_features[part] = feats[0, index[("opt", part)]]
+    itemsize = DTYPE_BYTES[model.dtype]
+    b = np.asarray(sizes, np.float64)
+    return LayerFeatures(
+        model=model,
+        tensor=tensor,
+        recompute=policy,
+        microbatch_sizes=np.asarray(sizes, np.int64),
+        step=step,
+        step_flops=step_flops,
+        peak_rise=rise,
+        net_bytes=net,
+        message_bytes=b * model.seq_len * model.hidden * itemsize,
+        data_bytes=b * model.seq_len * DTYPE_BYTES["i32"],
+        param_bytes=params,
+        state_bytes=state,
+        optimizer=optimizer_features,
+        grad_types=tuple(tuple(g) for g in grads),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _data_parallel_cached(features: LayerFeatures, degree: int, zero: bool):
+    reduce = np.zeros((3, len(COST_FEATURES)))
+    gather = np.zeros((3, len(COST_FEATURES)))
+    if degree == 1:
+        return reduce, gather
+    group = {"group": tuple(range(degree)), "axis": 0}
+    volume, hops = _FEATURE_INDEX["comm_volume"], _FEATURE_INDEX["comm_hops"]
+    for part, types in enumerate(features.grad_types):
+        for grad in types:
+            if zero:
+                # ZeRO implementations flatten and pad each gradient so any
+                # degree divides it; the fine IR instead needs dim 0 divisible.
+                padded = -(-int(np.max(grad.num_elements)) // degree) * degree
+                grad = grad.with_shape((padded,))
+                rs = get_spec("ReduceScatter")
+                (shard,) = rs.infer(group, (grad,))
+                f = rs.features(group, (grad,), (shard,))
+                ag = get_spec("AllGather")
+                (whole,) = ag.infer(group, (shard,))
+                g = ag.features(group, (shard,), (whole,))
+                gather[part, volume] += float(g.comm_volume)
+                gather[part, hops] += float(g.comm_hops)
+            else:
+                f = get_spec("AllReduce").features(group, (grad,), (grad,))
+            reduce[part, volume] += float(f.comm_volume)
+            reduce[part, hops] += float(f.comm_hops)
+    return reduce, gather
+
+
+def _data_parallel(features: LayerFeatures, degree: int, zero: bool):
+    if degree < 1:
+        raise ValueError(f"data-parallel degree must be >= 1, got {degree}")
+    return _data_parallel_cached(features, degree, zero)
