@@ -17,8 +17,15 @@ from collections.abc import Sequence
 
 # The built-in sweep: GPT-2 XL training on two DGX A100 nodes.
 DEFAULT_SWEEP = dict(
-    model="gpt2-xl", world_sizes="16", batch_sizes="64,256", microbatches="4,8", schedules="1f1b,gpipe",
-    recompute="none,full", dtype="bf16", optimizer="adam", hardware="dgx-a100-80gb",
+    model="gpt2-xl",
+    world_sizes="16",
+    batch_sizes="64,256",
+    microbatches="2,4",
+    schedules="1f1b",
+    recompute="none,full",
+    dtype="bf16",
+    optimizer="adam",
+    hardware="dgx-a100-80gb",
 )
 DEFAULT_OUTPUT = os.path.join("results", "sweep.csv")
 _CHOICE = {"no": (False,), "yes": (True,), "both": (False, True)}
@@ -71,100 +78,234 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
 
     names = ", ".join(model_names())
     if many:
-        p.add_argument("--model", type=_names, default=_names(DEFAULT_SWEEP["model"]),
-                       help=f"model preset(s), comma-separated, from: {names} (default: gpt2-xl)")
-        p.add_argument("--hardware", type=_names, default=_names(DEFAULT_SWEEP["hardware"]),
-                       help=f"hardware preset(s) from {', '.join(preset_names())}; each world size "
-                            "takes that many GPUs of it (default: dgx-a100-80gb)")
-        p.add_argument("--dtype", type=_names, default=_names(DEFAULT_SWEEP["dtype"]),
-                       help="model dtype(s): f32, f16, bf16; sets the hardware's peak FLOP/s (default: bf16)")
-        p.add_argument("--optimizer", type=_names, default=_names(DEFAULT_SWEEP["optimizer"]),
-                       help="optimizer(s): sgd, adam (default: adam)")
+        p.add_argument(
+            "--model",
+            type=_names,
+            metavar="NAME,...",
+            default=_names(DEFAULT_SWEEP["model"]),
+            help=f"model preset(s), comma-separated, from: {names} (default: gpt2-xl)",
+        )
+        p.add_argument(
+            "--hardware",
+            type=_names,
+            metavar="NAME,...",
+            default=_names(DEFAULT_SWEEP["hardware"]),
+            help=f"hardware preset(s) from {', '.join(preset_names())}; each world size "
+            "takes that many GPUs of it (default: dgx-a100-80gb)",
+        )
+        p.add_argument(
+            "--dtype",
+            type=_names,
+            metavar="NAME,...",
+            default=_names(DEFAULT_SWEEP["dtype"]),
+            help="model dtype(s): f32, f16, bf16; sets the hardware's peak FLOP/s (default: bf16)",
+        )
+        p.add_argument(
+            "--optimizer",
+            type=_names,
+            metavar="NAME,...",
+            default=_names(DEFAULT_SWEEP["optimizer"]),
+            help="optimizer(s): sgd, adam (default: adam)",
+        )
     else:
         p.add_argument("--model", default="gpt2-xl", help=f"model preset, from: {names} (default: gpt2-xl)")
-        p.add_argument("--hardware", default="dgx-a100-80gb",
-                       help=f"hardware preset, from {', '.join(preset_names())} (default: dgx-a100-80gb)")
+        p.add_argument(
+            "--hardware",
+            default="dgx-a100-80gb",
+            help=f"hardware preset, from {', '.join(preset_names())} (default: dgx-a100-80gb)",
+        )
         p.add_argument("--dtype", default="bf16", help="model dtype: f32, f16, bf16 (default: bf16)")
         p.add_argument("--optimizer", default="adam", help="optimizer: sgd or adam (default: adam)")
-    p.add_argument("--seq-len", type=_positive_int, default=None,
-                   help="sequence length of transformer models (default: the preset's, 1024 for GPT-2)")
+    p.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        help="sequence length of transformer models (default: the preset's, 1024 for GPT-2)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="distir-jax",
-                     description="Simulate distributed training strategies with DistIR-JAX.")
+    parser = _Parser(
+        prog="distir-jax", description="Simulate distributed training strategies with DistIR-JAX."
+    )
     sub = parser.add_subparsers(dest="command", metavar="{sweep,simulate}", parser_class=_Parser)
     sub.required = True
 
     s = sub.add_parser(
-        "sweep", help="simulate every strategy of a space and rank them",
+        "sweep",
+        help="simulate every strategy of a space and rank them",
         description="Simulate every strategy of a space in batched kernel calls, print the best ones and "
-                    "write one row per configuration to a results file. With no options: GPT-2 XL "
-                    "training on 16 GPUs of 2 DGX A100 nodes, global batch 64 and 256.",
+        "write one row per configuration to a results file. With no options: GPT-2 XL "
+        "training on 16 GPUs of 2 DGX A100 nodes, global batch 64 and 256.",
     )
     _add_model_options(s, many=True)
-    s.add_argument("--world-sizes", type=_ints, default=_ints(DEFAULT_SWEEP["world_sizes"]),
-                   help="GPU counts, comma-separated (default: 16)")
-    s.add_argument("--batch-sizes", type=_ints, default=_ints(DEFAULT_SWEEP["batch_sizes"]),
-                   help="global batch sizes (default: 64,256)")
-    s.add_argument("--data", type=_ints, default=None, help="data-parallel degrees to allow (default: any)")
-    s.add_argument("--tensor", type=_ints, default=None,
-                   help="tensor-parallel degrees to allow (default: any)")
-    s.add_argument("--pipeline", type=_ints, default=None, help="pipeline degrees to allow (default: any); "
-                   "by default every data x tensor x pipeline factorisation of each world size is tried")
-    s.add_argument("--microbatches", type=_ints, default=_ints(DEFAULT_SWEEP["microbatches"]),
-                   help="microbatch counts for pipelines (default: 4,8); runs without a pipeline use 1")
-    s.add_argument("--microbatch-sizes", type=_ints, default=None,
-                   help="samples per microbatch instead of counts (count = batch / (data x size))")
-    s.add_argument("--schedules", type=_names, default=_names(DEFAULT_SWEEP["schedules"]),
-                   help="pipeline schedules: gpipe, 1f1b, interleaved (default: 1f1b,gpipe)")
-    s.add_argument("--virtual-stages", type=_ints, default=(2,),
-                   help="model chunks per device for the interleaved schedule (default: 2)")
-    s.add_argument("--recompute", type=_names, default=_names(DEFAULT_SWEEP["recompute"]),
-                   help="activation recomputation: none, attention, full (default: none,full)")
-    s.add_argument("--zero", choices=tuple(_CHOICE), default="no",
-                   help="ZeRO-1 optimizer-state sharding: no, yes or both (default: no)")
-    s.add_argument("--sequence-parallel", choices=tuple(_CHOICE), default="no",
-                   help="Megatron sequence parallelism (tensor > 1): no, yes or both (default: no)")
-    s.add_argument("--overlap", choices=tuple(_CHOICE), default="no",
-                   help="overlap gradient all-reduces with the backward pass: no, yes or both (default: no)")
-    s.add_argument("--output", default=DEFAULT_OUTPUT,
-                   help=f"results file, .csv or .parquet (default: {DEFAULT_OUTPUT}; a .parquet copy is "
-                        "written next to a .csv when pyarrow is installed)")
-    s.add_argument("--resume", action="store_true",
-                   help="keep the rows already in --output and simulate only the missing configurations")
-    s.add_argument("--top-k", type=_positive_int, default=10, help="how many of the best strategies to print "
-                   "(default: 10)")
-    s.add_argument("--memory-limit", type=_positive_float, default=None,
-                   help="only rank strategies whose peak memory per GPU is at most this many GB")
-    s.add_argument("--chunk-size", type=_positive_int, default=4096,
-                   help="most configurations per kernel call (default: 4096)")
-    s.add_argument("--chunk-memory", type=_positive_float, default=1.0,
-                   help="most estimated kernel memory per call, in GB (default: 1)")
+    s.add_argument(
+        "--world-sizes",
+        type=_ints,
+        metavar="N,...",
+        default=_ints(DEFAULT_SWEEP["world_sizes"]),
+        help="GPU counts, comma-separated (default: 16)",
+    )
+    s.add_argument(
+        "--batch-sizes",
+        type=_ints,
+        metavar="N,...",
+        default=_ints(DEFAULT_SWEEP["batch_sizes"]),
+        help="global batch sizes (default: 64,256)",
+    )
+    s.add_argument(
+        "--data",
+        type=_ints,
+        metavar="N,...",
+        default=None,
+        help="data-parallel degrees to allow (default: any)",
+    )
+    s.add_argument(
+        "--tensor",
+        type=_ints,
+        metavar="N,...",
+        default=None,
+        help="tensor-parallel degrees to allow (default: any)",
+    )
+    s.add_argument(
+        "--pipeline",
+        type=_ints,
+        metavar="N,...",
+        default=None,
+        help="pipeline degrees to allow (default: any); "
+        "by default every data x tensor x pipeline factorisation of each world size is tried",
+    )
+    s.add_argument(
+        "--microbatches",
+        type=_ints,
+        metavar="N,...",
+        default=_ints(DEFAULT_SWEEP["microbatches"]),
+        help="microbatch counts for pipelines (default: 2,4); runs without a pipeline use 1",
+    )
+    s.add_argument(
+        "--microbatch-sizes",
+        type=_ints,
+        metavar="N,...",
+        default=None,
+        help="samples per microbatch instead of counts (count = batch / (data x size))",
+    )
+    s.add_argument(
+        "--schedules",
+        type=_names,
+        metavar="NAME,...",
+        default=_names(DEFAULT_SWEEP["schedules"]),
+        help="pipeline schedules: gpipe, 1f1b, interleaved (default: 1f1b)",
+    )
+    s.add_argument(
+        "--virtual-stages",
+        type=_ints,
+        metavar="N,...",
+        default=(2,),
+        help="model chunks per device for the interleaved schedule (default: 2)",
+    )
+    s.add_argument(
+        "--recompute",
+        type=_names,
+        metavar="NAME,...",
+        default=_names(DEFAULT_SWEEP["recompute"]),
+        help="activation recomputation: none, attention, full (default: none,full)",
+    )
+    s.add_argument(
+        "--zero",
+        choices=tuple(_CHOICE),
+        default="no",
+        help="ZeRO-1 optimizer-state sharding: no, yes or both (default: no)",
+    )
+    s.add_argument(
+        "--sequence-parallel",
+        choices=tuple(_CHOICE),
+        default="no",
+        help="Megatron sequence parallelism (tensor > 1): no, yes or both (default: no)",
+    )
+    s.add_argument(
+        "--overlap",
+        choices=tuple(_CHOICE),
+        default="no",
+        help="overlap gradient all-reduces with the backward pass: no, yes or both (default: no)",
+    )
+    s.add_argument(
+        "--output",
+        default=DEFAULT_OUTPUT,
+        metavar="PATH",
+        help=f"results file, .csv or .parquet (default: {DEFAULT_OUTPUT}; a .parquet copy is "
+        "written next to a .csv when pyarrow is installed)",
+    )
+    s.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows already in --output and simulate only the missing configurations "
+        "(a running sweep checkpoints there every minute, so an interrupted one can resume)",
+    )
+    s.add_argument(
+        "--top-k",
+        type=_positive_int,
+        default=10,
+        help="how many of the best strategies to print (default: 10)",
+    )
+    s.add_argument(
+        "--memory-limit",
+        type=_positive_float,
+        default=None,
+        metavar="GB",
+        help="only rank strategies whose peak memory per GPU is at most this many GB",
+    )
+    s.add_argument(
+        "--chunk-size",
+        type=_positive_int,
+        default=4096,
+        help="most configurations per kernel call (default: 4096)",
+    )
+    s.add_argument(
+        "--chunk-memory",
+        type=_positive_float,
+        default=1.0,
+        help="most estimated kernel memory per call, in GB (default: 1)",
+    )
     s.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
-    m = sub.add_parser("simulate", help="simulate one configuration",
-                       description="Simulate one configuration and print its step time, throughput, peak "
-                                   "memory per device and status.")
+    m = sub.add_parser(
+        "simulate",
+        help="simulate one configuration",
+        description="Simulate one configuration and print its step time, throughput, peak "
+        "memory per device and status.",
+    )
     _add_model_options(m, many=False)
     m.add_argument("--batch-size", type=_positive_int, default=64, help="global batch size (default: 64)")
-    m.add_argument("--world-size", type=_positive_int, default=None,
-                   help="GPUs (default: data x tensor x pipeline)")
+    m.add_argument(
+        "--world-size", type=_positive_int, default=None, help="GPUs (default: data x tensor x pipeline)"
+    )
     for name, what in (("data", "data-parallel"), ("tensor", "tensor-parallel"), ("pipeline", "pipeline")):
         m.add_argument(f"--{name}", type=_positive_int, default=1, help=f"{what} degree (default: 1)")
     m.add_argument("--microbatches", type=_positive_int, default=1, help="microbatches (default: 1)")
     m.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved (default: 1f1b)")
-    m.add_argument("--virtual-stages", type=_positive_int, default=1,
-                   help="model chunks per device, interleaved schedule only (default: 1)")
+    m.add_argument(
+        "--virtual-stages",
+        type=_positive_int,
+        default=1,
+        help="model chunks per device, interleaved schedule only (default: 1)",
+    )
     m.add_argument("--recompute", default="none", help="none, attention or full (default: none)")
     m.add_argument("--zero", action="store_true", help="ZeRO-1 optimizer-state sharding")
     m.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
-    m.add_argument("--overlap-grad-comm", action="store_true",
-                   help="overlap gradient reduction with the backward pass")
-    m.add_argument("--full", action="store_true",
-                   help="simulate every replica instead of one representative per symmetric group")
-    m.add_argument("--trace", default=None, metavar="PATH",
-                   help="write a Chrome trace (one event per op per device) to PATH")
+    m.add_argument(
+        "--overlap-grad-comm", action="store_true", help="overlap gradient reduction with the backward pass"
+    )
+    m.add_argument(
+        "--full",
+        action="store_true",
+        help="simulate every replica instead of one representative per symmetric group",
+    )
+    m.add_argument(
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help="write a Chrome trace (one event per op per device) to PATH",
+    )
     return parser
 
 
@@ -180,18 +321,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:  # a bad combination of options, found by the library
         print(f"distir-jax {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except ImportError as err:  # e.g. a parallelism transform that is not installed
+        print(f"distir-jax {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
 
 
 def _sweep(args) -> int:
     from search import StrategySpace, enumerate_configs, evaluate
 
     space = StrategySpace(
-        model=args.model, world_sizes=args.world_sizes, global_batch_sizes=args.batch_sizes,
+        model=args.model,
+        world_sizes=args.world_sizes,
+        global_batch_sizes=args.batch_sizes,
         seq_len=args.seq_len,
-        data=args.data, tensor=args.tensor, pipeline=args.pipeline, microbatches=args.microbatches,
-        microbatch_sizes=args.microbatch_sizes, schedules=args.schedules, virtual_stages=args.virtual_stages,
-        recompute=args.recompute, zero=_CHOICE[args.zero], sequence_parallel=_CHOICE[args.sequence_parallel],
-        overlap_grad_comm=_CHOICE[args.overlap], dtype=args.dtype, hardware=args.hardware,
+        data=args.data,
+        tensor=args.tensor,
+        pipeline=args.pipeline,
+        microbatches=args.microbatches,
+        microbatch_sizes=args.microbatch_sizes,
+        schedules=args.schedules,
+        virtual_stages=args.virtual_stages,
+        recompute=args.recompute,
+        zero=_CHOICE[args.zero],
+        sequence_parallel=_CHOICE[args.sequence_parallel],
+        overlap_grad_comm=_CHOICE[args.overlap],
+        dtype=args.dtype,
+        hardware=args.hardware,
         optimizer=args.optimizer,
     )
     if not str(args.output).endswith((".csv", ".parquet")):
@@ -200,22 +355,32 @@ def _sweep(args) -> int:
         raise ValueError("--output .parquet needs pyarrow; install it or write a .csv")
     start = time.perf_counter()
     configs = list(enumerate_configs(space))
-    print(f"sweeping {len(configs)} configurations of {', '.join(map(str, args.model))} on "
-          f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)} ...", flush=True)
+    print(
+        f"sweeping {len(configs)} configurations of {', '.join(map(str, args.model))} on "
+        f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)} ...",
+        flush=True,
+    )
+    if not args.resume and os.path.exists(args.output):
+        os.remove(args.output)  # a fresh sweep; evaluate would otherwise resume from it
+    # Always through results_path: evaluate checkpoints there, so an interrupted
+    # sweep can go on with --resume.
     table = evaluate(
-        configs, results_path=args.output if args.resume else None, max_configs_per_call=args.chunk_size,
-        max_bytes=int(args.chunk_memory * 1e9), progress=not args.no_progress,
+        configs,
+        results_path=args.output,
+        max_configs_per_call=args.chunk_size,
+        max_bytes=int(args.chunk_memory * 1e9),
+        progress=not args.no_progress,
     )
     elapsed = time.perf_counter() - start
-    if not args.resume:
-        table.write(args.output)
     written = [args.output]
     if args.output.endswith(".csv") and _has_pyarrow():
         table.to_parquet(args.output[: -len(".csv")] + ".parquet")
         written.append(args.output[: -len(".csv")] + ".parquet")
     counts = {s: int((table["status"] == s).sum()) for s in ("ok", "out of memory", "invalid")}
-    print(f"{len(table)} configurations in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s): "
-          + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    print(
+        f"{len(table)} configurations in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s): "
+        + ", ".join(f"{n} {s}" for s, n in counts.items())
+    )
     limit = None if args.memory_limit is None else args.memory_limit * 1e9
     best = table.top_k(args.top_k, memory_limit=limit)
     under = "" if limit is None else f" under {args.memory_limit:g} GB per GPU"
@@ -235,15 +400,29 @@ def _simulate(args) -> int:
     from search.single import make_config, simulate_config, write_chrome_trace
 
     config = make_config(
-        args.model, hardware=args.hardware, world_size=args.world_size, batch_size=args.batch_size,
-        seq_len=args.seq_len, data=args.data, tensor=args.tensor, pipeline=args.pipeline,
-        microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
-        recompute=args.recompute, zero=args.zero, sequence_parallel=args.sequence_parallel,
-        overlap_grad_comm=args.overlap_grad_comm, dtype=args.dtype, optimizer=args.optimizer,
+        args.model,
+        hardware=args.hardware,
+        world_size=args.world_size,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        data=args.data,
+        tensor=args.tensor,
+        pipeline=args.pipeline,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        recompute=args.recompute,
+        zero=args.zero,
+        sequence_parallel=args.sequence_parallel,
+        overlap_grad_comm=args.overlap_grad_comm,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
     )
-    print(f"{config.model} on {config.preset}, global batch {config.global_batch_size}: data {config.data} x "
-          f"tensor {config.tensor} x pipeline {config.pipeline}, {config.microbatches} microbatch(es), "
-          f"{config.schedule}, recompute {config.recompute}, {config.dtype}, {config.optimizer}")
+    print(
+        f"{config.model} on {config.preset}, global batch {config.global_batch_size}: data {config.data} x "
+        f"tensor {config.tensor} x pipeline {config.pipeline}, {config.microbatches} microbatch(es), "
+        f"{config.schedule}, recompute {config.recompute}, {config.dtype}, {config.optimizer}"
+    )
     if not config.valid:
         print(f"status: invalid ({config.reason})")
         return 1
@@ -254,16 +433,20 @@ def _simulate(args) -> int:
         return 1
     print(f"step time: {row['step_time_s']:.6g} s")
     print(f"throughput: {row['throughput_samples_per_s']:.6g} samples/s")
-    print(f"compute / communication / bubble on the busiest GPU: {row['compute_time_s']:.4g} / "
-          f"{row['communication_time_s']:.4g} / {row['bubble_time_s']:.4g} s")
+    print(
+        f"compute / communication / bubble on the busiest GPU: {row['compute_time_s']:.4g} / "
+        f"{row['communication_time_s']:.4g} / {row['bubble_time_s']:.4g} s"
+    )
     print("peak memory per device:")
     for device, peak, used in zip(result.devices, result.peak_memory_bytes, result.simulated, strict=True):
         if used:
             print(f"  device {int(device):>4}: {peak / 1e9:8.3f} GB")
     shown = int(result.simulated.sum())
     if shown < config.world_size:
-        print(f"  ({shown} of {config.world_size} devices simulated; the others are identical replicas of "
-              "these. Use --full to simulate all.)")
+        print(
+            f"  ({shown} of {config.world_size} devices simulated; the others are identical replicas of "
+            "these. Use --full to simulate all.)"
+        )
     if args.trace:
         write_chrome_trace(result, args.trace)
         print(f"trace: {os.path.abspath(args.trace)}")

@@ -1,0 +1,148 @@
+"""End-to-end sweeps vs a per-configuration loop, measured side by side in one run.
+
+Part (a), DistIR's MLP grid: mlp-xs and mlp-small, world sizes 1-16, global
+batch 64-4096, every data x tensor x pipeline factorisation, 1 microbatch
+without a pipeline else 2-32 (920 configurations). The sweep is timed end to
+end (enumerate, build, lower, simulate, result table) with
+``search.evaluate``. The loop does what a user without the batched kernel
+would: per configuration, build the model, parallelize it in full (every
+replica, not one representative) and run the reference simulator. The loop is
+timed on a random sample of valid configurations and extrapolated to all of
+them (invalid ones cost the loop nothing: it skips them after validation).
+
+Part (b), GPT-3 175B configurations per second: see
+:func:`gpt3_configs_per_second` (to be written).
+
+    python benchmarks/sweep.py            # the full grid
+    python benchmarks/sweep.py --quick    # mlp-xs only, 10 loop samples (< 60 s)
+
+The last line is ``sweep_speedup_vs_loop=<x> gpt3_configs_per_s=<y>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+from distir_jax.executor.reference import reference_simulate
+from search import StrategySpace, enumerate_configs, evaluate
+from search._transform import build_function
+
+GRID_MODELS = ("mlp-xs", "mlp-small")
+
+
+def mlp_grid(models=GRID_MODELS) -> StrategySpace:
+    """DistIR's MLP grid (arXiv 2111.05426, Section 5), in f32 on DGX A100 nodes."""
+    return StrategySpace(
+        model=models,
+        world_sizes=(1, 2, 4, 8, 16),
+        global_batch_sizes=(64, 256, 1024, 4096),
+        microbatches=(2, 4, 8, 16, 32),
+        microbatches_without_pipeline=(1,),
+        dtype="f32",
+        hardware="dgx-a100-80gb",
+        optimizer="sgd",
+    )
+
+
+def time_sweep(space: StrategySpace) -> tuple[float, object]:
+    """Seconds for the whole sweep, enumeration to table, and the table."""
+    start = time.perf_counter()
+    table = evaluate(list(enumerate_configs(space)), progress=False)
+    return time.perf_counter() - start, table
+
+
+def time_loop(configs, samples: int, seed: int = 0) -> tuple[float, int]:
+    """Mean seconds per configuration of the build-and-reference loop, over a random sample."""
+    rng = np.random.default_rng(seed)
+    picked = rng.choice(len(configs), size=min(samples, len(configs)), replace=False)
+    seconds = []
+    for i in picked:
+        config = configs[i]
+        start = time.perf_counter()
+        fn = build_function(config, config.global_batch_size, representative_only=False)
+        reference_simulate(fn, config.topology())
+        seconds.append(time.perf_counter() - start)
+    return float(np.mean(seconds)), len(picked)
+
+
+def part_a(quick: bool, loop_samples: int) -> float:
+    """The MLP grid: sweep vs loop; returns ``sweep_speedup_vs_loop``."""
+    models = ("mlp-xs",) if quick else GRID_MODELS
+    space = mlp_grid(models)
+    sweep_s, table = time_sweep(space)
+    simulated = [c for c in enumerate_configs(space) if c.valid]
+    status = table["status"]
+    print(
+        f"part (a): DistIR MLP grid, {', '.join(models)}: {len(table)} configurations "
+        f"({int((status == 'ok').sum())} ok, {int((status == 'out of memory').sum())} out of memory, "
+        f"{int((status == 'invalid').sum())} invalid)"
+    )
+    print(
+        f"  sweep  (enumerate + build + lower + simulate + table): {sweep_s:8.2f} s  "
+        f"= {len(table) / sweep_s:8.1f} configurations/s"
+    )
+    per_config, sampled = time_loop(simulated, loop_samples)
+    loop_s = per_config * len(simulated)
+    print(
+        f"  loop   (build full program + reference simulator): {per_config:.4f} s/configuration, "
+        f"timed on {sampled} random valid configurations and extrapolated x {len(simulated)} valid "
+        f"= {loop_s:8.2f} s"
+    )
+    speedup = loop_s / sweep_s
+    print(f"  sweep_speedup_vs_loop = {speedup:.2f}")
+    return speedup
+
+
+# --------------------------------------------------------------------------- #
+# Part (b): GPT-3 175B configurations per second.
+#
+# TODO(part b): another contributor adds the measurement here. Contract: return
+# configurations per second of an end-to-end sweep of GPT-3 175B strategies
+# (finishing within the --quick budget left after part (a), ~30 s), and print
+# its own lines above the summary. Until then it reports nan.
+
+
+def gpt3_configs_per_second(quick: bool) -> float:
+    """Part (b): configurations/second of a GPT-3 175B sweep; ``nan`` until it is written."""
+    del quick
+    print("part (b): GPT-3 175B configurations/s: not measured yet")
+    return math.nan
+
+
+# --------------------------------------------------------------------------- #
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="mlp-xs only and 10 loop samples (< 60 s)")
+    parser.add_argument(
+        "--loop-samples",
+        type=int,
+        default=None,
+        help="configurations the loop is timed on (default: 30, or 10 with --quick)",
+    )
+    args = parser.parse_args()
+    samples = args.loop_samples or (10 if args.quick else 30)
+    print(
+        f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()} "
+        f"cpus={os.cpu_count()} jax {jax.__version__} backend={jax.default_backend()} "
+        f"devices={len(jax.devices())}",
+        flush=True,
+    )
+    speedup = part_a(args.quick, samples)
+    configs_per_s = gpt3_configs_per_second(args.quick)
+    print(f"sweep_speedup_vs_loop={speedup:.2f} gpt3_configs_per_s={configs_per_s:.4g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Preparing lowered programs for batched evaluation: compaction, padding and row stacking.
+
+A symmetry-reduced program touches few of the cluster's devices (one replica
+per pipeline stage, plus the ends of each collective's slowest link), but
+lowering sizes its device tables for the whole cluster. :func:`compact`
+renumbers the devices it really uses, so the kernel's per-configuration
+state and the ``[D, D]`` link tables shrink from the world size to a handful.
+
+Rows: the kernel takes programs stacked on a leading batch axis. One row is
+one configuration: a size variant of a lowered program, padded to its
+bucket's capacity, next to the hardware it runs on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from distir_jax.cost import COST_FEATURES
+from distir_jax.hardware import Hardware, pad_hardware
+from distir_jax.ir import Topology
+from distir_jax.lower import NO_DEVICE, NO_RESOURCE, NO_SLOT, Capacity, Program
+
+# Per-op cost features (``[N]``, or ``[S, N]`` with size variants) and per-device
+# features (``[D]`` or ``[S, D]``); the kernel never reads alloc / free bytes.
+_OP_FEATURES = COST_FEATURES
+_DEVICE_FEATURES = ("resident_bytes", "peak_bytes")
+# Kernel working memory per row, as a multiple of the row's input bytes: the
+# kernel re-lays structure configs-last and derives a few index tables from it.
+_WORKSPACE_FACTOR = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """One lowered, compacted program and its hardware, ready to be cut into rows.
+
+    Attributes:
+      program: the compacted program; features may have a leading ``[S]`` axis.
+      hardware: the compacted hardware, ``[D']`` devices.
+      devices: ``[D']`` original device index of each compacted device.
+      peak_bytes: ``[S, D']`` float64 peak bytes per device and variant.
+    """
+
+    program: Program
+    hardware: Hardware
+    devices: np.ndarray
+    peak_bytes: np.ndarray
+
+    @property
+    def num_variants(self) -> int:
+        return self.peak_bytes.shape[0]
+
+    @property
+    def capacity(self) -> Capacity:
+        return self.program.capacity
+
+
+def compact(program: Program, topology: Topology) -> Prepared:
+    """Keeps only the devices a program uses (ops, collective links, resident data)."""
+    num_devices = topology.num_devices
+    streams = program.resource_device.shape[-1] // num_devices
+    resident = np.asarray(program.resident_bytes).reshape(-1, num_devices)
+    used = set(np.asarray(program.slot_device)[np.asarray(program.slot_device) >= 0].tolist())
+    used.update(np.asarray(program.link).reshape(-1).tolist())
+    used.update(np.flatnonzero(resident.max(axis=0) > 0).tolist())
+    devices = np.asarray(sorted(used) or [0], np.int64)
+    remap = np.full(num_devices, NO_DEVICE, np.int64)
+    remap[devices] = np.arange(len(devices))
+    slot_device = np.asarray(program.slot_device)
+    new_slot_device = np.where(slot_device >= 0, remap[np.maximum(slot_device, 0)], NO_DEVICE)
+    resource = np.asarray(program.resource)
+    new_resource = np.where(
+        resource >= 0, remap[np.maximum(resource, 0) // streams] * streams + resource % streams, NO_RESOURCE
+    )
+    compacted = program.replace(
+        resource=new_resource.astype(np.int32),
+        slot_device=new_slot_device.astype(np.int32),
+        link=remap[np.asarray(program.link)].astype(np.int32),
+        resource_device=np.repeat(np.arange(len(devices), dtype=np.int32), streams),
+        resident_bytes=np.asarray(program.resident_bytes)[..., devices],
+        peak_bytes=np.asarray(program.peak_bytes)[..., devices],
+    )
+    pair = np.ix_(devices, devices)
+    hardware = Hardware(
+        peak_flops=topology.peak_flops[devices],
+        memory_bandwidth=topology.memory_bandwidth[devices],
+        memory_capacity=topology.memory_capacity[devices],
+        link_bandwidth=topology.link_bandwidth[pair],
+        link_latency=topology.link_latency[pair],
+        launch_overhead=np.asarray(topology.launch_overhead),
+    )
+    peak = np.asarray(compacted.peak_bytes, np.float64).reshape(-1, len(devices))
+    return Prepared(compacted, hardware, devices, peak)
+
+
+def row_bytes(capacity: Capacity) -> int:
+    """Estimated device bytes one row of this capacity needs in a kernel call."""
+    n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
+    d, r, v = capacity.num_devices, capacity.num_resources, capacity.finish_slots
+    # resource and slot_device, deps, out, link, is_comm, features
+    per_op = 8 * k + 4 * p + 4 + 8 + 1 + 4 * len(_OP_FEATURES)
+    inputs = n * per_op + 8 * d * d + 4 * 4 * d + 4 * r
+    carry = 4 * (3 * r + v + 2 * d)
+    return _WORKSPACE_FACTOR * inputs + carry
+
+
+def stack_rows(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_rows: int):
+    """Stacks ``(prepared, variant)`` pairs into ``[num_rows, ...]`` kernel inputs.
+
+    Rows past ``len(items)`` repeat the first item (their results are
+    discarded); they keep the row count at a few fixed values so that calls
+    reuse compiled kernels.
+
+    Returns:
+      ``(program, hardware)`` with a leading row axis; ``alloc_bytes`` and
+      ``free_bytes`` are placeholders (the kernel reads the precomputed
+      ``peak_bytes`` instead).
+    """
+    n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
+    d, r = capacity.num_devices, capacity.num_resources
+    items = list(items) + [items[0]] * (num_rows - len(items))
+    fields: dict[str, list] = {
+        name: []
+        for name in (
+            "resource",
+            "slot_device",
+            "dep_slot",
+            "out_slot",
+            "link",
+            "is_comm",
+            "resource_device",
+            "num_ops",
+            *_OP_FEATURES,
+            *_DEVICE_FEATURES,
+        )
+    }
+    hw_fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(Hardware)}
+    for prepared, variant in items:
+        prog = prepared.program
+        fields["resource"].append(_pad(prog.resource, (n, k), NO_RESOURCE))
+        fields["slot_device"].append(_pad(prog.slot_device, (n, k), NO_DEVICE))
+        fields["dep_slot"].append(_pad(prog.dep_slot, (n, p), NO_SLOT))
+        fields["out_slot"].append(_pad(prog.out_slot, (n,), NO_SLOT))
+        fields["link"].append(_pad(prog.link, (n, 2), 0))
+        fields["is_comm"].append(_pad(prog.is_comm, (n,), False))
+        fields["resource_device"].append(_pad(prog.resource_device, (r,), NO_DEVICE))
+        fields["num_ops"].append(np.asarray(prog.num_ops))
+        for name in _OP_FEATURES + _DEVICE_FEATURES:
+            x = np.asarray(getattr(prog, name))
+            x = x[variant] if x.ndim > 1 else x
+            fields[name].append(_pad(x, (d,) if name in _DEVICE_FEATURES else (n,), 0.0))
+        hw = pad_hardware(prepared.hardware, d) if prepared.hardware.num_devices < d else prepared.hardware
+        for name in hw_fields:
+            hw_fields[name].append(getattr(hw, name))
+    arrays = {name: np.stack(values) for name, values in fields.items()}
+    for name in _OP_FEATURES + _DEVICE_FEATURES:  # the kernel computes in float32
+        arrays[name] = arrays[name].astype(np.float32)
+    placeholder = np.zeros((num_rows, 1, 1), np.float32)
+    program = Program(
+        **arrays, alloc_bytes=placeholder, free_bytes=placeholder, num_finish_slots=capacity.finish_slots
+    )
+    hardware = Hardware(**{name: np.stack(v).astype(np.float32) for name, v in hw_fields.items()})
+    return program, hardware
+
+
+def _pad(x, trailing: tuple, fill) -> np.ndarray:
+    x = np.asarray(x)
+    widths = [(0, t - s) for s, t in zip(x.shape, trailing, strict=True)]
+    return np.pad(x, widths, constant_values=fill) if any(w for _, w in widths) else x

@@ -1,0 +1,390 @@
+"""Batched evaluation of a strategy space: every configuration in a few kernel calls.
+
+Pipeline (one direction):
+
+1. Enumerate the space; rows that break a constraint become ``"invalid"``
+   rows with their reason straight away.
+2. Group the valid rows by structural key (:meth:`Config.structural_key`:
+   every knob except the global batch size, which flows as a size-variant
+   batch dim, and the hardware, a batch axis of ``Hardware``). Per key: build
+   the model once with ``batch_size = np.array(<the group's batch sizes>)``,
+   parallelize it with ``representative_only=True`` (one replica of each
+   symmetric group; collectives costed over their full groups) and lower it
+   once per hardware preset. The program carries S size variants.
+3. Compact each program to the devices it uses, and put it in a bucket by its
+   op count rounded up to a power of two (``Capacity.bucketed``). A bucket is
+   simulated when it holds as many rows as one call may take
+   (``max_configs_per_call``, and ``max_bytes`` of estimated kernel memory);
+   at the end the remaining buckets are simulated, small ones merged into
+   larger ones when the padding costs less than a compile. Rows are padded to
+   the bucket's capacity and the row count to a power of two, so a whole
+   sweep compiles a handful of kernels.
+4. Each call shards its rows over all local JAX devices (a ``Mesh`` with one
+   ``"configs"`` axis; ``shard_map`` runs the kernel on each device's slice,
+   with no communication).
+
+Precision: the kernel runs in float32, so step times match the float64
+reference simulator to about 1e-6 relative; peak memory comes from lowering,
+in float64, and is compared with the preset's capacity in float64.
+
+Time: building and lowering the programs (Python) dominates; the kernel
+calls take milliseconds per thousand configurations. The progress bar
+therefore counts configurations built.
+
+Multi-host: call ``jax.distributed.initialize()`` on every host first, then
+``evaluate`` on each with its own ``results_path``: by default each host
+takes every ``jax.process_count()``-th configuration starting at
+``jax.process_index()`` and shards it over its local devices; no host talks
+to another. Merge the files afterwards with
+``ResultTable.concat([ResultTable.read(p) for p in paths])``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
+from distir_jax.kernel import STATUS_INVALID, simulate
+from distir_jax.lower import Capacity, lower
+from search._programs import Prepared, compact, row_bytes, stack_rows
+from search._progress import progress_bar
+from search.results import STATUS_INVALID as INVALID
+from search.results import STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
+from search.space import Config, StrategySpace, _one_line, as_configs
+
+CONFIG_AXIS = "configs"
+_BUILD_ERRORS = (ValueError, NotImplementedError)
+_COMM_FEATURES = ("comm_volume", "comm_hops")
+# Padded op-rows worth one kernel compile (~1-3 s on a CPU at ~1e8 op-rows/s):
+# below this, merging a small bucket into a larger one beats compiling for it.
+_MERGE_OP_ROWS = 1 << 27
+_MIN_ROWS = 32
+
+
+def evaluate(
+    space_or_configs: StrategySpace | Sequence[Config],
+    *,
+    results_path: str | os.PathLike | None = None,
+    max_configs_per_call: int = 4096,
+    max_bytes: int = 1 << 30,
+    progress: bool = True,
+    shard: bool = True,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    checkpoint_seconds: float = 60.0,
+) -> ResultTable:
+    """Simulates every configuration of a space (or a list of rows) in batched kernel calls.
+
+    Args:
+      space_or_configs: a :class:`StrategySpace` or :class:`Config` rows.
+      results_path: a ``.csv`` or ``.parquet`` file. If it exists, its rows are
+        kept and only configurations missing from it (by ``config_id``) are
+        evaluated; the merged table is written back (also every
+        ``checkpoint_seconds`` while running, so an interrupted sweep resumes).
+      max_configs_per_call: most rows in one kernel call.
+      max_bytes: most estimated kernel memory of one call, in bytes.
+      progress: show a progress bar (tqdm if installed) in configurations/s.
+      shard: split each call's rows over all local JAX devices.
+      process_index, process_count: this host's slice of the configurations
+        (default: ``jax.process_index()`` / ``jax.process_count()``).
+      checkpoint_seconds: how often to write partial results to ``results_path``.
+
+    Returns:
+      A :class:`ResultTable`, one row per configuration, in enumeration order
+      (rows read from ``results_path`` that are not in the space come last).
+    """
+    configs = as_configs(space_or_configs)
+    existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
+    done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
+    todo = [c for c in configs if c.config_id not in done_ids]
+    index = jax.process_index() if process_index is None else int(process_index)
+    count = jax.process_count() if process_count is None else int(process_count)
+    if not 0 <= index < count:
+        raise ValueError(f"process_index must be in [0, {count}), got {index}")
+    todo = todo[index::count]
+
+    rows: dict[str, dict] = {}
+    bar = progress_bar(len(todo), progress)
+    last_checkpoint = [time.perf_counter()]
+
+    def emit(new_rows):
+        for row in new_rows:
+            rows[row["config_id"]] = row
+        if results_path and time.perf_counter() - last_checkpoint[0] > checkpoint_seconds:
+            _write_atomic(_merge(configs, existing, rows), results_path)
+            last_checkpoint[0] = time.perf_counter()
+
+    batcher = _Batcher(max_configs_per_call, max_bytes, _local_devices(shard), emit)
+    invalid = [ResultTable.row_for(c, INVALID, c.reason, invalid_metrics()) for c in todo if not c.valid]
+    emit(invalid)
+    bar.update(len(invalid))
+    models: dict = {}  # single-device programs, shared by the keys of one model and batch set
+    for group in _groups([c for c in todo if c.valid]):
+        for config, prepared, variant, reason in _prepare_group(group, models):
+            if reason:
+                emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
+            else:
+                batcher.add(config, prepared, variant)
+            # Building dominates a sweep's time (kernel calls take milliseconds
+            # per thousand rows), so progress counts configurations built.
+            bar.update(1)
+    batcher.flush_all()
+    bar.close()
+    table = _merge(configs, existing, rows)
+    if results_path:
+        _write_atomic(table, results_path)
+    return table
+
+
+def _write_atomic(table: ResultTable, path) -> None:
+    """Writes a sibling file, then renames it: an interrupted write never leaves a broken results file."""
+    root, suffix = os.path.splitext(os.fspath(path))
+    partial = f"{root}.partial{suffix}"
+    table.write(partial)
+    os.replace(partial, path)
+
+
+def _merge(configs: Sequence[Config], existing: ResultTable | None, rows: dict) -> ResultTable:
+    """Existing and new rows, in the configurations' order; unknown old rows last."""
+    old = {} if existing is None else {cid: i for i, cid in enumerate(existing["config_id"].tolist())}
+    order, new_rows = [], []
+    for c in configs:
+        cid = c.config_id
+        if cid in rows:
+            order.append(("new", len(new_rows)))
+            new_rows.append(rows[cid])
+        elif cid in old:
+            order.append(("old", old.pop(cid)))
+    pieces = []
+    new_table = ResultTable.from_rows(new_rows) if new_rows else ResultTable.empty()
+    # Consecutive runs from one source become one `take`, keeping this linear.
+    for source, idx in _runs(order):
+        pieces.append((new_table if source == "new" else existing).take(np.asarray(idx, np.int64)))
+    if old:
+        pieces.append(existing.take(np.asarray(sorted(old.values()), np.int64)))
+    return ResultTable.concat(pieces)
+
+
+def _runs(order):
+    runs = []
+    for source, i in order:
+        if runs and runs[-1][0] == source:
+            runs[-1][1].append(i)
+        else:
+            runs.append((source, [i]))
+    return runs
+
+
+def _groups(configs: Sequence[Config]) -> list[list[Config]]:
+    groups: dict[tuple, list[Config]] = {}
+    for c in configs:
+        groups.setdefault(c.structural_key(), []).append(c)
+    return list(groups.values())
+
+
+def _prepare_group(group: Sequence[Config], models: dict):
+    """Builds, parallelizes and lowers one structural key; yields ``(config, prepared, variant, reason)``."""
+    from search._transform import build_function  # needs the transforms; imported late on purpose
+
+    batches = sorted({c.global_batch_size for c in group})
+    try:
+        fn = build_function(group[0], np.asarray(batches) if len(batches) > 1 else batches[0], models=models)
+    except _BUILD_ERRORS as err:
+        if len(batches) > 1:  # find which batch sizes fail, one at a time
+            for b in batches:
+                yield from _prepare_group([c for c in group if c.global_batch_size == b], models)
+            return
+        for c in group:
+            yield c, None, 0, _one_line(err)
+        return
+    prepared: dict[str, Prepared] = {}
+    for c in group:
+        if c.preset not in prepared:
+            try:
+                prepared[c.preset] = compact(lower(fn, c.topology()), c.topology())
+            except _BUILD_ERRORS as err:
+                prepared[c.preset] = _one_line(err)
+        p = prepared[c.preset]
+        if isinstance(p, str):
+            yield c, None, 0, p
+        else:
+            yield c, p, batches.index(c.global_batch_size) if p.num_variants > 1 else 0, ""
+
+
+def build_function(config: Config, *, representative_only: bool = True):
+    """The (symmetry-reduced) distributed program of one configuration, and its topology.
+
+    This is what :func:`evaluate` simulates for the row (with the batch as one
+    of several size variants); use it to check a row with the reference simulator.
+    """
+    from search._transform import build_function as build
+
+    return build(config, config.global_batch_size, representative_only=representative_only), config.topology()
+
+
+class _Batcher:
+    """Collects rows into capacity buckets and simulates a bucket when it is full."""
+
+    def __init__(self, max_configs: int, max_bytes: int, devices: list, emit):
+        if max_configs < 1 or max_bytes < 1:
+            raise ValueError(
+                f"max_configs_per_call and max_bytes must be >= 1, got {max_configs}, {max_bytes}"
+            )
+        self.max_configs, self.max_bytes, self.devices, self.emit = max_configs, max_bytes, devices, emit
+        self.items: dict[int, list] = {}
+        self.capacity: dict[int, Capacity] = {}
+
+    def add(self, config: Config, prepared: Prepared, variant: int) -> None:
+        cap = prepared.capacity.bucketed()
+        key = cap.num_ops
+        self.capacity[key] = cap if key not in self.items else self.capacity[key].union(cap)
+        self.items.setdefault(key, []).append((config, prepared, variant))
+        if len(self.items[key]) >= self._limit(self.capacity[key]):
+            self._flush(key)
+
+    def flush_all(self) -> None:
+        """Simulates every pending row, merging small buckets into larger ones.
+
+        A compile costs seconds while the kernel runs ~1e8 op-rows per second
+        even on a CPU, so a small bucket is padded into a larger bucket's
+        capacity whenever the extra work stays under one compile's worth.
+        """
+        keys = sorted(self.items, reverse=True)
+        while keys:
+            target = keys.pop(0)
+            for key in list(keys):
+                if len(self.items[key]) * target <= _MERGE_OP_ROWS:
+                    self.items[target] += self.items.pop(key)
+                    self.capacity[target] = self.capacity[target].union(self.capacity.pop(key))
+                    keys.remove(key)
+            self._flush(target)
+
+    def _limit(self, capacity: Capacity) -> int:
+        n = len(self.devices)
+        rows = min(self.max_configs, max(1, self.max_bytes // row_bytes(capacity)))
+        return max(n, rows // n * n)
+
+    def _flush(self, key: int) -> None:
+        items, capacity = self.items.pop(key), self.capacity.pop(key)
+        limit = self._limit(capacity)
+        for start in range(0, len(items), limit):
+            chunk = items[start : start + limit]
+            n = len(self.devices)
+            # A power of two, and at least a few dozen: small sweeps then share
+            # compiled shapes, and padding rows cost next to nothing.
+            num_rows = min(limit, max(_MIN_ROWS, 1 << (len(chunk) - 1).bit_length()))
+            num_rows = -(-num_rows // n) * n
+            program, hardware = stack_rows([(p, v) for _, p, v in chunk], capacity, num_rows)
+            out = _run(program, hardware, self.devices)
+            self.emit([_row(c, p, v, {k: x[i] for k, x in out.items()}) for i, (c, p, v) in enumerate(chunk)])
+
+
+def _row(config: Config, prepared: Prepared, variant: int, out: dict) -> dict:
+    """A result row from the kernel's outputs for one configuration."""
+    peak = prepared.peak_bytes[variant if prepared.num_variants > 1 else 0]
+    capacity = np.asarray(prepared.hardware.memory_capacity, np.float64)
+    step = float(out["step_time"])
+    metrics = {
+        "step_time_s": step,
+        "throughput_samples_per_s": config.global_batch_size / step if step > 0 else math.inf,
+        "peak_memory_bytes": float(peak.max()),
+        "peak_memory_gb": float(peak.max()) / 1e9,
+        "compute_time_s": float(out["compute"]),
+        "communication_time_s": float(out["communication"]),
+        "bubble_time_s": float(out["bubble"]),
+        "simulated_ops": int(prepared.program.num_ops),
+    }
+    if int(out["status"]) == STATUS_INVALID or not math.isfinite(step):
+        reason = "simulation gave a non-finite step time"
+        return ResultTable.row_for(config, INVALID, reason, invalid_metrics())
+    over = peak > capacity
+    if over.any():
+        d = int(np.argmax(peak - capacity))
+        reason = (
+            f"peak {peak[d] / 1e9:.2f} GB on device {int(prepared.devices[d])} exceeds its "
+            f"{capacity[d] / 1e9:.2f} GB"
+        )
+        return ResultTable.row_for(config, STATUS_OOM, reason, metrics)
+    return ResultTable.row_for(config, STATUS_OK, "", metrics)
+
+
+def _local_devices(shard: bool) -> list:
+    return list(jax.local_devices()) if shard else [jax.local_devices()[0]]
+
+
+def _run(program, hardware, devices) -> dict:
+    """One kernel call; rows are split over ``devices`` when there are several."""
+    runner = _runner(tuple(devices))
+    if len(devices) > 1:
+        sharding = NamedSharding(Mesh(np.asarray(devices), (CONFIG_AXIS,)), PartitionSpec(CONFIG_AXIS))
+        program, hardware = jax.device_put((program, hardware), sharding)
+    return {k: np.asarray(v) for k, v in runner(program, hardware).items()}
+
+
+@functools.cache
+def _runner(devices: tuple):
+    if len(devices) == 1:
+        return jax.jit(_simulate_rows)
+    spec = PartitionSpec(CONFIG_AXIS)
+    mesh = Mesh(np.asarray(devices), (CONFIG_AXIS,))
+    # The kernel starts its scan from fresh (unvarying) zeros; per-device slices never
+    # communicate, so the varying-axis check has nothing to protect here.
+    sharded = jax.shard_map(_simulate_rows, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False)
+    return jax.jit(sharded)
+
+
+def _simulate_rows(program, hardware) -> dict:
+    """Kernel plus the compute / communication / bubble breakdown, ``[B]`` each."""
+    sim = simulate(program, hardware)
+    num_rows, num_devices = hardware.peak_flops.shape
+    dtype = sim.step_time.dtype
+    slot_dev = program.slot_device  # [B, N, K]
+    slot_ok = program.resource >= 0
+    first = jnp.maximum(slot_dev[..., 0], 0)  # the kernel costs an op by its first device
+    pair = program.link[..., 0] * num_devices + program.link[..., 1]
+    # The same speeds op_seconds gets in the kernel (reciprocals, see distir_jax.cost).
+    speeds = (
+        jnp.take_along_axis(1.0 / hardware.peak_flops, first, axis=1),
+        jnp.take_along_axis(1.0 / hardware.memory_bandwidth, first, axis=1),
+        hardware.launch_overhead[:, None],
+        jnp.take_along_axis(
+            inverse_bandwidth(jnp, hardware.link_bandwidth.reshape(num_rows, -1)), pair, axis=1
+        ),
+        jnp.take_along_axis(hardware.link_latency.reshape(num_rows, -1), pair, axis=1),
+    )
+    features = {name: getattr(program, name) for name in COST_FEATURES}
+    zeros = jnp.zeros_like(program.flops)
+    # The cost model adds a compute and a communication part; evaluating it
+    # with one part's features zeroed gives the other.
+    compute = op_seconds(jnp, {k: zeros if k in _COMM_FEATURES else v for k, v in features.items()}, *speeds)
+    comm = op_seconds(jnp, {k: v if k in _COMM_FEATURES else zeros for k, v in features.items()}, *speeds)
+    rows = jnp.arange(num_rows)[:, None, None]
+    target = jnp.where(slot_ok, slot_dev, num_devices)  # out of range: dropped
+
+    def per_device(seconds):  # [B, N] per op -> [B, D], charged on each of the op's slots
+        charged = jnp.where(slot_ok, seconds[..., None], 0.0).astype(dtype)
+        return jnp.zeros((num_rows, num_devices), dtype).at[rows, target].add(charged, mode="drop")
+
+    compute_dev = per_device(compute)
+    comm_dev = per_device(comm)
+    busy_dev = compute_dev + comm_dev
+    busiest = jnp.argmax(busy_dev, axis=1)
+    pick = lambda x: jnp.take_along_axis(x, busiest[:, None], axis=1)[:, 0]  # noqa: E731
+    on_busiest = program.resource_device == busiest[:, None]
+    stream_busy = jnp.max(jnp.where(on_busiest, sim.busy_time, 0.0), axis=1)
+    return {
+        "step_time": sim.step_time,
+        "status": sim.status,
+        "compute": pick(compute_dev),
+        "communication": pick(comm_dev),
+        "bubble": jnp.maximum(sim.step_time - stream_busy, 0.0),
+    }

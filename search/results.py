@@ -1,0 +1,377 @@
+"""Result tables: one row per configuration, with the knobs and what the simulator found.
+
+Columns (see :data:`COLUMNS` for types):
+
+* ``config_id``: a stable hash of the knobs (:func:`search.space.config_id`).
+* the knobs of :class:`search.space.Config`.
+* ``status``: ``"ok"``, ``"out of memory"`` (simulated; the peak exceeds the
+  preset's memory on some device) or ``"invalid"`` (not simulated); ``reason``
+  says why a row is not ok.
+* ``step_time_s``: seconds per training step; ``throughput_samples_per_s``:
+  ``global_batch_size / step_time_s``.
+* ``peak_memory_bytes`` / ``peak_memory_gb``: the largest per-device peak.
+* ``compute_time_s``, ``communication_time_s``, ``bubble_time_s``: the
+  breakdown on the *busiest* device (the one with the most busy seconds,
+  summed over its streams): seconds running compute ops, seconds in
+  communication ops, and ``step_time_s`` minus the busy seconds of that
+  device's busiest stream (time that stream idles: pipeline bubbles and
+  waiting on other devices). With one stream per device the three add up to
+  the step time; with a communication stream, overlapped communication makes
+  the sum exceed it.
+* ``simulated_ops``: ops in the (symmetry-reduced) program that was simulated.
+
+Invalid rows are never NaN: their step time is ``inf``, and throughput,
+memory and breakdown are 0, so sorting never favours them; filter by
+``status``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from search.space import Config
+
+STATUS_OK = "ok"
+STATUS_OOM = "out of memory"
+STATUS_INVALID = "invalid"
+
+_KNOB_TYPES = {
+    "model": str,
+    "hardware": str,
+    "world_size": int,
+    "global_batch_size": int,
+    "seq_len": int,
+    "data": int,
+    "tensor": int,
+    "pipeline": int,
+    "microbatches": int,
+    "microbatch_size": int,
+    "schedule": str,
+    "virtual_stages": int,
+    "recompute": str,
+    "zero": bool,
+    "sequence_parallel": bool,
+    "overlap_grad_comm": bool,
+    "dtype": str,
+    "optimizer": str,
+}
+# Column name -> Python type, in table order.
+COLUMNS: dict[str, type] = {
+    "config_id": str,
+    **_KNOB_TYPES,
+    "status": str,
+    "reason": str,
+    "step_time_s": float,
+    "throughput_samples_per_s": float,
+    "peak_memory_bytes": float,
+    "peak_memory_gb": float,
+    "compute_time_s": float,
+    "communication_time_s": float,
+    "bubble_time_s": float,
+    "simulated_ops": int,
+}
+METRICS = (
+    "step_time_s",
+    "throughput_samples_per_s",
+    "peak_memory_bytes",
+    "peak_memory_gb",
+    "compute_time_s",
+    "communication_time_s",
+    "bubble_time_s",
+    "simulated_ops",
+)
+_NUMPY = {str: object, int: np.int64, float: np.float64, bool: np.bool_}
+
+
+def _column(kind: type, values) -> np.ndarray:
+    return np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=_NUMPY[kind])
+
+
+def invalid_metrics() -> dict:
+    """Metrics of a row that was not simulated (no NaN, see the module docstring)."""
+    return {m: (math.inf if m == "step_time_s" else 0) for m in METRICS}
+
+
+class ResultTable:
+    """Columns of equal length, one row per configuration, in a fixed column order."""
+
+    def __init__(self, columns: Mapping[str, Iterable]):
+        missing = [c for c in COLUMNS if c not in columns]
+        if missing:
+            raise ValueError(f"a result table needs columns {missing}")
+        self._columns = {name: _column(kind, columns[name]) for name, kind in COLUMNS.items()}
+        lengths = {len(v) for v in self._columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"columns have different lengths: {sorted(lengths)}")
+
+    # --- construction -------------------------------------------------------
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Mapping]) -> ResultTable:
+        return cls({name: [row[name] for row in rows] for name in COLUMNS})
+
+    @classmethod
+    def empty(cls) -> ResultTable:
+        return cls({name: [] for name in COLUMNS})
+
+    @staticmethod
+    def row_for(config: Config, status: str, reason: str, metrics: Mapping) -> dict:
+        """A row dict from a configuration, its status and metrics."""
+        knobs = config.knobs()
+        return {"config_id": config.config_id, **knobs, "status": status, "reason": reason, **metrics}
+
+    @classmethod
+    def concat(cls, tables: Sequence[ResultTable]) -> ResultTable:
+        tables = list(tables)
+        if not tables:
+            return cls.empty()
+        return cls({name: np.concatenate([t._columns[name] for t in tables]) for name in COLUMNS})
+
+    # --- access -------------------------------------------------------------
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns["config_id"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._columns[name]
+
+    def row(self, i: int) -> dict:
+        return {name: _python(col[i]) for name, col in self._columns.items()}
+
+    def rows(self) -> list[dict]:
+        return [self.row(i) for i in range(len(self))]
+
+    def take(self, index) -> ResultTable:
+        """Rows at ``index`` (integers or a boolean mask), in that order."""
+        index = np.asarray(index)
+        return ResultTable({name: col[index] for name, col in self._columns.items()})
+
+    def where(self, **equal) -> ResultTable:
+        """Rows whose columns equal the given values, e.g. ``where(status="ok")``."""
+        mask = np.ones(len(self), bool)
+        for name, value in equal.items():
+            mask &= self._columns[name] == value
+        return self.take(mask)
+
+    def equals(self, other: ResultTable) -> bool:
+        """Same rows in the same order, values equal (floats exactly)."""
+        return len(self) == len(other) and all(
+            np.array_equal(self._columns[n], other._columns[n]) for n in COLUMNS
+        )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ResultTable) and self.equals(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        status = self._columns["status"]
+        counts = {s: int(np.sum(status == s)) for s in (STATUS_OK, STATUS_OOM, STATUS_INVALID)}
+        return f"ResultTable({len(self)} rows: {counts})"
+
+    # --- queries ------------------------------------------------------------
+
+    def top_k(self, k: int = 10, memory_limit: float | None = None) -> ResultTable:
+        """The ``k`` ok rows of highest throughput, optionally under a memory limit.
+
+        Args:
+          k: how many rows at most.
+          memory_limit: bytes; rows whose peak per-device memory exceeds it are
+            left out (the preset's capacity already excluded out-of-memory rows).
+
+        Returns:
+          Rows sorted by throughput (descending), then peak memory, then id.
+        """
+        ok = self._columns["status"] == STATUS_OK
+        if memory_limit is not None:
+            ok &= self._columns["peak_memory_bytes"] <= memory_limit
+        index = np.flatnonzero(ok)
+        order = np.lexsort(
+            (
+                self._columns["config_id"][index].astype(str),
+                self._columns["peak_memory_bytes"][index],
+                -self._columns["throughput_samples_per_s"][index],
+            )
+        )
+        return self.take(index[order][: max(int(k), 0)])
+
+    def pareto_front(self) -> ResultTable:
+        """Ok rows not dominated in (higher throughput, lower peak memory), by memory.
+
+        A row is dominated when another ok row has at least its throughput and
+        at most its memory, and is strictly better in one. Rows that tie
+        exactly are all kept.
+        """
+        index = np.flatnonzero(self._columns["status"] == STATUS_OK)
+        mem = self._columns["peak_memory_bytes"][index]
+        thr = self._columns["throughput_samples_per_s"][index]
+        order = np.lexsort((self._columns["config_id"][index].astype(str), -thr, mem))
+        keep = []
+        best = -math.inf  # best throughput among rows of strictly smaller memory
+        i = 0
+        while i < len(order):
+            j = i  # rows i..j-1 share one memory value
+            while j < len(order) and mem[order[j]] == mem[order[i]]:
+                j += 1
+            top = thr[order[i]]
+            if top > best:
+                keep.extend(int(index[order[r]]) for r in range(i, j) if thr[order[r]] == top)
+                best = top
+            i = j
+        return self.take(np.asarray(keep, np.int64))
+
+    # --- input / output -----------------------------------------------------
+
+    def to_pandas(self):
+        """A ``pandas.DataFrame`` (needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("to_pandas needs pandas: pip install pandas (or use to_csv / rows)") from None
+        return pd.DataFrame({name: col for name, col in self._columns.items()})
+
+    def to_csv(self, path) -> None:
+        """Writes CSV with the csv module; floats use ``repr`` so they read back exactly."""
+        _parent(path)
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            for i in range(len(self)):
+                writer.writerow([_cell(self._columns[n][i], kind) for n, kind in COLUMNS.items()])
+
+    def to_parquet(self, path) -> None:
+        """Writes Parquet (needs pyarrow)."""
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError("to_parquet needs pyarrow: pip install pyarrow (or use to_csv)") from None
+        _parent(path)
+        arrays = {
+            n: pa.array(self._columns[n].tolist() if kind is str else self._columns[n])
+            for n, kind in COLUMNS.items()
+        }
+        pq.write_table(pa.table(arrays), path)
+
+    def write(self, path) -> None:
+        """Writes CSV or Parquet, by the path's suffix."""
+        if str(path).endswith(".parquet"):
+            self.to_parquet(path)
+        else:
+            self.to_csv(path)
+
+    @classmethod
+    def read(cls, path) -> ResultTable:
+        """Reads a table written by :meth:`to_csv` or :meth:`to_parquet` (by suffix)."""
+        if str(path).endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise ImportError("reading Parquet needs pyarrow; use a .csv results file") from None
+            table = pq.read_table(path)
+            return cls({n: table.column(n).to_pylist() for n in COLUMNS})
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None or [h for h in header if h in COLUMNS] != list(COLUMNS):
+                raise ValueError(f"{path}: not a results table (expected columns {list(COLUMNS)})")
+            where = {name: header.index(name) for name in COLUMNS}
+            values = {name: [] for name in COLUMNS}
+            for line in reader:
+                for name, kind in COLUMNS.items():
+                    values[name].append(_parse(line[where[name]], kind))
+        return cls(values)
+
+    def format(self, columns: Sequence[str] | None = None, limit: int | None = None) -> str:
+        """A plain-text table of some columns (for terminals)."""
+        columns = list(columns or DISPLAY_COLUMNS)
+        shown = min(len(self), limit or len(self))
+        rows = [[_show(self._columns[c][i], c) for c in columns] for i in range(shown)]
+        header = [DISPLAY_NAMES.get(c, c) for c in columns]
+        widths = [max([len(h)] + [len(r[j]) for r in rows]) for j, h in enumerate(header)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+        lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+        return "\n".join(lines)
+
+
+DISPLAY_COLUMNS = (
+    "data",
+    "tensor",
+    "pipeline",
+    "microbatches",
+    "schedule",
+    "recompute",
+    "zero",
+    "global_batch_size",
+    "step_time_s",
+    "throughput_samples_per_s",
+    "peak_memory_gb",
+    "compute_time_s",
+    "communication_time_s",
+    "bubble_time_s",
+)
+DISPLAY_NAMES = {
+    "microbatches": "mb",
+    "global_batch_size": "batch",
+    "step_time_s": "step s",
+    "throughput_samples_per_s": "samples/s",
+    "peak_memory_gb": "peak GB",
+    "compute_time_s": "compute s",
+    "communication_time_s": "comm s",
+    "bubble_time_s": "bubble s",
+    "data": "d",
+    "tensor": "t",
+    "pipeline": "p",
+}
+
+
+def _python(value):
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _cell(value, kind) -> str:
+    if kind is float:
+        return repr(float(value))
+    if kind is bool:
+        return "true" if value else "false"
+    return str(_python(value))
+
+
+def _parse(text: str, kind):
+    if kind is float:
+        return float(text)
+    if kind is int:
+        return int(text)
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"not a boolean: {text!r}")
+        return text.lower() in ("true", "1")
+    return text
+
+
+def _show(value, column: str) -> str:
+    value = _python(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if column == "throughput_samples_per_s":
+            return f"{value:.1f}"
+        if column == "peak_memory_gb":
+            return f"{value:.2f}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _parent(path) -> None:
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)

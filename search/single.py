@@ -1,0 +1,170 @@
+"""One configuration in detail: per-device memory, every op's timing, a Chrome trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from distir_jax.ir import Function
+from distir_jax.kernel import simulate
+from distir_jax.lower import lower
+from search._programs import compact, stack_rows
+from search.evaluate import _row, _simulate_rows
+from search.space import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleResult:
+    """What :func:`simulate_config` returns.
+
+    Attributes:
+      row: the result-table row (same columns and numbers as a sweep's).
+      function: the simulated (possibly symmetry-reduced) program.
+      devices: ``[D']`` original indices of the devices in the simulated program.
+      peak_memory_bytes: ``[D']`` peak bytes of each of those devices.
+      simulated: ``[D']`` whether any op runs on the device (the others only
+        appear as ends of a collective's slowest link).
+      op_start, op_finish: ``[N]`` seconds.
+      op_devices: ``[N, K]`` original device of each op slot, -1 for none.
+      op_streams: ``[N]`` stream of each op.
+    """
+
+    row: dict
+    function: Function
+    devices: np.ndarray
+    peak_memory_bytes: np.ndarray
+    simulated: np.ndarray
+    op_start: np.ndarray
+    op_finish: np.ndarray
+    op_devices: np.ndarray
+    op_streams: np.ndarray
+
+
+def simulate_config(config: Config, *, representative_only: bool = True) -> SingleResult:
+    """Builds, lowers and simulates one valid configuration, recording every op.
+
+    Raises:
+      ValueError: when the configuration is invalid (its reason) or cannot be built.
+    """
+    if not config.valid:
+        raise ValueError(f"invalid configuration: {config.reason}")
+    from search._transform import build_function
+
+    fn = build_function(config, config.global_batch_size, representative_only=representative_only)
+    topology = config.topology()
+    prepared = compact(lower(fn, topology), topology)
+    program, hardware = stack_rows([(prepared, 0)], prepared.capacity, 1)
+    out = {k: np.asarray(v)[0] for k, v in _simulate_rows(program, hardware).items()}
+    row = _row(config, prepared, 0, out)
+    ops = simulate(program, hardware, record_ops=True)
+    slots = np.asarray(prepared.program.slot_device)
+    return SingleResult(
+        row=row,
+        function=fn,
+        devices=prepared.devices,
+        peak_memory_bytes=prepared.peak_bytes[0],
+        simulated=np.isin(np.arange(len(prepared.devices)), slots[slots >= 0]),
+        op_start=np.asarray(ops.op_start[0], np.float64),
+        op_finish=np.asarray(ops.op_finish[0], np.float64),
+        op_devices=np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1),
+        op_streams=np.asarray([op.stream for op in fn.ops]),
+    )
+
+
+def chrome_trace(result: SingleResult) -> dict:
+    """A Chrome trace (``chrome://tracing`` / Perfetto): one complete event per op per device.
+
+    Times are microseconds; ``pid`` is the device, ``tid`` the stream.
+    """
+    events = []
+    for i, op in enumerate(result.function.ops):
+        start, finish = result.op_start[i], result.op_finish[i]
+        args = {"op": i, "outputs": [v.name for v in op.outputs]}
+        for key in ("layer", "phase", "stage", "microbatch"):
+            if op.attr(key) is not None:
+                args[key] = op.attr(key)
+        for device in result.op_devices[i]:
+            if device < 0:
+                continue
+            events.append(
+                {
+                    "name": op.op_type,
+                    "cat": str(op.attr("phase", "op")),
+                    "ph": "X",
+                    "ts": start * 1e6,
+                    "dur": (finish - start) * 1e6,
+                    "pid": int(device),
+                    "tid": int(result.op_streams[i]),
+                    "args": args,
+                }
+            )
+    for device in result.devices[result.simulated]:
+        name = {"name": f"device {device}"}
+        events.append({"name": "process_name", "ph": "M", "pid": int(device), "args": name})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(result: SingleResult, path: str | os.PathLike) -> None:
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(chrome_trace(result), f)
+
+
+def make_config(
+    model,
+    *,
+    hardware: str = "dgx-a100-80gb",
+    world_size: int | None = None,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    data: int = 1,
+    tensor: int = 1,
+    pipeline: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    recompute: str = "none",
+    zero: bool = False,
+    sequence_parallel: bool = False,
+    overlap_grad_comm: bool = False,
+    dtype: str | None = None,
+    optimizer: str = "sgd",
+) -> Config:
+    """One :class:`Config` from explicit knobs (invalid ones carry their reason).
+
+    ``world_size`` defaults to ``data * tensor * pipeline``.
+    """
+    from search.space import StrategySpace, enumerate_configs
+
+    space = StrategySpace(
+        model=model,
+        world_sizes=(world_size or data * tensor * pipeline,),
+        global_batch_sizes=(batch_size,),
+        seq_len=seq_len,
+        data=(data,),
+        tensor=(tensor,),
+        pipeline=(pipeline,),
+        microbatches=(microbatches,),
+        microbatches_without_pipeline=(microbatches,),
+        schedules=(schedule,),
+        virtual_stages=(virtual_stages,),
+        recompute=(recompute,),
+        zero=(zero,),
+        sequence_parallel=(sequence_parallel,),
+        overlap_grad_comm=(overlap_grad_comm,),
+        dtype=dtype,
+        hardware=(hardware,),
+        optimizer=(optimizer,),
+    )
+    configs = list(enumerate_configs(space))
+    if not configs:
+        raise ValueError(
+            f"data x tensor x pipeline = {data} x {tensor} x {pipeline} = {data * tensor * pipeline} "
+            f"does not equal world size {world_size}"
+        )
+    return configs[0]

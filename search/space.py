@@ -1,0 +1,448 @@
+"""Strategy spaces: every combination of parallelism knobs, as rows.
+
+A :class:`StrategySpace` names the values to try for each knob;
+:func:`enumerate_configs` expands it into :class:`Config` rows in a fixed,
+documented order. A row that breaks a constraint (a degree that does not
+divide the batch or the layers, a preset that cannot hold the world size, a
+check of :meth:`ParallelConfig.validate`) keeps its place in the sweep and
+carries a ``reason``; nothing is dropped silently.
+
+Conventions, chosen so that no two rows describe the same run:
+
+* Degrees: by default every factorisation ``data * tensor * pipeline ==
+  world_size``; listing ``data`` / ``tensor`` / ``pipeline`` restricts the
+  factorisations to those values.
+* Microbatches apply to pipelines (``pipeline > 1``): counts from
+  ``microbatches``, or counts derived from ``microbatch_sizes``
+  (``global_batch / (data * size)``). Without a pipeline the count comes from
+  ``microbatches_without_pipeline`` (default ``(1,)``: no gradient
+  accumulation, as in DistIR's grid).
+* Knobs that do not apply take one canonical value. A schedule only matters
+  with several microbatches or stages: a run with ``pipeline == 1`` and one
+  microbatch gets the first non-interleaved schedule listed (else
+  ``"1f1b"``). ``virtual_stages`` only applies to ``"interleaved"``; other
+  schedules get 1. ``zero`` and ``overlap_grad_comm`` need ``data > 1`` and
+  ``sequence_parallel`` needs ``tensor > 1``; otherwise they are False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Union
+
+from distir_jax.models import MLPConfig, TransformerConfig, get_model_config
+from distir_jax.presets import get_preset
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "attention", "full")
+OPTIMIZERS = ("sgd", "adam")
+# Model dtype -> compute dtype of the hardware preset's peak FLOP/s.
+HARDWARE_DTYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16"}
+
+ModelSpec = Union[str, MLPConfig, TransformerConfig]  # noqa: UP007 (a runtime alias)
+
+
+def _as_tuple(name: str, value, kind) -> tuple:
+    """``value`` as a non-empty tuple of ``kind``; a scalar becomes a 1-tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bool, int, MLPConfig, TransformerConfig)):
+        value = (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a value or a sequence of values, got {value!r}") from None
+    if not items:
+        raise ValueError(f"{name} must not be empty")
+    for item in items:
+        ok = isinstance(item, kind) and not (kind is int and isinstance(item, bool))
+        if not ok:
+            raise ValueError(f"{name} entries must be {getattr(kind, '__name__', kind)}, got {item!r}")
+    return tuple(dict.fromkeys(items))  # keep order, drop repeats
+
+
+def _positive(name: str, values: tuple) -> tuple:
+    bad = [v for v in values if int(v) < 1]
+    if bad:
+        raise ValueError(f"{name} must be integers >= 1, got {list(bad)}")
+    return tuple(int(v) for v in values)
+
+
+def _one_of(name: str, values: tuple, allowed: tuple) -> tuple:
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(f"{name}: unknown value(s) {bad}; expected some of {list(allowed)}")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySpace:
+    """The knobs of a sweep; every field takes one value or a sequence of values.
+
+    Attributes:
+      model: model preset name(s) (see ``distir_jax.models.model_names``) or
+        ``MLPConfig`` / ``TransformerConfig`` objects.
+      world_sizes: GPU counts.
+      global_batch_sizes: samples per training step, over all replicas.
+      seq_len: override of the transformers' sequence length (None: preset's).
+      data, tensor, pipeline: allowed degrees (None: any factorisation).
+      microbatches: microbatch counts tried when ``pipeline > 1``.
+      microbatch_sizes: alternatively, samples per microbatch (exclusive with
+        ``microbatches``).
+      microbatches_without_pipeline: counts tried when ``pipeline == 1``.
+      schedules: pipeline schedules, some of ``SCHEDULES``.
+      virtual_stages: model chunks per device for ``"interleaved"``.
+      recompute: activation recomputation, some of ``RECOMPUTE``.
+      zero: shard optimizer state across data-parallel replicas (ZeRO-1).
+      sequence_parallel: Megatron sequence parallelism (with ``tensor > 1``).
+      overlap_grad_comm: overlap gradient all-reduces with the backward pass.
+      dtype: model dtypes (None: each preset's own); the hardware's peak
+        FLOP/s follow the dtype.
+      hardware: hardware preset names without a count (see
+        ``distir_jax.presets.preset_names``); ``"<preset>:<N>"`` is built per
+        world size.
+      optimizer: ``"sgd"`` or ``"adam"``.
+    """
+
+    model: Any = "mlp-xs"
+    world_sizes: Any = (1, 2, 4, 8)
+    global_batch_sizes: Any = (64,)
+    seq_len: int | None = None
+    data: Any = None
+    tensor: Any = None
+    pipeline: Any = None
+    microbatches: Any = (1, 2, 4, 8)
+    microbatch_sizes: Any = None
+    microbatches_without_pipeline: Any = (1,)
+    schedules: Any = ("1f1b",)
+    virtual_stages: Any = (2,)
+    recompute: Any = ("none",)
+    zero: Any = (False,)
+    sequence_parallel: Any = (False,)
+    overlap_grad_comm: Any = (False,)
+    dtype: Any = None
+    hardware: Any = ("dgx-a100-80gb",)
+    optimizer: Any = ("sgd",)
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("model", _as_tuple("model", self.model, (str, MLPConfig, TransformerConfig)))
+        for name in ("world_sizes", "global_batch_sizes", "microbatches_without_pipeline", "virtual_stages"):
+            set_(name, _positive(name, _as_tuple(name, getattr(self, name), int)))
+        for name in ("data", "tensor", "pipeline", "microbatch_sizes"):
+            value = getattr(self, name)
+            set_(name, None if value is None else _positive(name, _as_tuple(name, value, int)))
+        if self.microbatch_sizes is not None:
+            set_("microbatches", None)
+        elif self.microbatches is None:
+            raise ValueError("give microbatches (counts) or microbatch_sizes")
+        else:
+            set_("microbatches", _positive("microbatches", _as_tuple("microbatches", self.microbatches, int)))
+        if self.seq_len is not None and (
+            isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1
+        ):
+            raise ValueError(f"seq_len must be None or an int >= 1, got {self.seq_len!r}")
+        set_("schedules", _one_of("schedules", _as_tuple("schedules", self.schedules, str), SCHEDULES))
+        set_("recompute", _one_of("recompute", _as_tuple("recompute", self.recompute, str), RECOMPUTE))
+        set_("optimizer", _one_of("optimizer", _as_tuple("optimizer", self.optimizer, str), OPTIMIZERS))
+        for name in ("zero", "sequence_parallel", "overlap_grad_comm"):
+            set_(name, _as_tuple(name, getattr(self, name), bool))
+        set_("dtype", (None,) if self.dtype is None else _as_tuple("dtype", self.dtype, str))
+        set_("hardware", _as_tuple("hardware", self.hardware, str))
+        for m in self.model:  # fail early on an unknown preset name
+            if isinstance(m, str):
+                get_model_config(m)
+
+    def replace(self, **changes) -> StrategySpace:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One configuration of a sweep: the knobs, and why it is invalid (if it is).
+
+    ``seq_len`` is 0 for models without a sequence (MLPs). ``microbatches`` /
+    ``microbatch_size`` are 0 where the batch does not split evenly (the row
+    is then invalid). ``model_config`` holds the resolved model (dtype and
+    sequence length applied); it is not part of the row's identity.
+    """
+
+    model: str
+    hardware: str
+    world_size: int
+    global_batch_size: int
+    seq_len: int
+    data: int
+    tensor: int
+    pipeline: int
+    microbatches: int
+    microbatch_size: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    zero: bool
+    sequence_parallel: bool
+    overlap_grad_comm: bool
+    dtype: str
+    optimizer: str
+    reason: str = ""
+    model_config: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    # Every knob, in column order; `config_id` hashes these.
+    KNOBS: ClassVar[tuple[str, ...]] = (
+        "model",
+        "hardware",
+        "world_size",
+        "global_batch_size",
+        "seq_len",
+        "data",
+        "tensor",
+        "pipeline",
+        "microbatches",
+        "microbatch_size",
+        "schedule",
+        "virtual_stages",
+        "recompute",
+        "zero",
+        "sequence_parallel",
+        "overlap_grad_comm",
+        "dtype",
+        "optimizer",
+    )
+    # Knobs that do not change a program's structure: the global batch size
+    # flows as a size-variant dim (and so does the microbatch size it implies)
+    # and the hardware is a batch axis of the kernel's `Hardware`.
+    SIZE_KNOBS: ClassVar[tuple[str, ...]] = ("hardware", "global_batch_size", "microbatch_size")
+
+    @property
+    def valid(self) -> bool:
+        return not self.reason
+
+    @property
+    def config_id(self) -> str:
+        """A stable id of the knobs: the same in every run, process and Python version."""
+        return config_id(self.knobs())
+
+    def knobs(self) -> dict:
+        return {k: getattr(self, k) for k in self.KNOBS}
+
+    def structural_key(self) -> tuple:
+        """Knobs that fix the program's structure (everything but sizes and hardware)."""
+        return tuple(getattr(self, k) for k in self.KNOBS if k not in self.SIZE_KNOBS)
+
+    @property
+    def preset(self) -> str:
+        """The hardware preset for this world size, e.g. ``"dgx-a100-80gb:16"``."""
+        return self.hardware if ":" in self.hardware else f"{self.hardware}:{self.world_size}"
+
+    def topology(self):
+        return _topology(self.preset, HARDWARE_DTYPE.get(self.dtype, self.dtype))
+
+    def with_reason(self, reason: str) -> Config:
+        return dataclasses.replace(self, reason=reason)
+
+
+def config_id(knobs: dict) -> str:
+    """16 hex digits of SHA-1 over the knobs' canonical text (not Python's salted hash)."""
+    text = "|".join(f"{k}={_canonical(knobs[k])}" for k in Config.KNOBS)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _canonical(value) -> str:
+    if isinstance(value, (bool,)):
+        return "1" if value else "0"
+    return str(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _topology(preset: str, dtype: str):
+    return get_preset(preset, dtype=dtype)
+
+
+def model_label(model: ModelSpec) -> str:
+    """The text naming a model in a table: its preset name, or its fields."""
+    if isinstance(model, str):
+        return model
+    fields = ",".join(f"{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model))
+    return f"{type(model).__name__}({fields})"
+
+
+def resolve_model(model: ModelSpec, dtype: str | None, seq_len: int | None):
+    """The model config with ``dtype`` and (transformers) ``seq_len`` applied."""
+    config = get_model_config(model) if isinstance(model, str) else model
+    changes = {}
+    if dtype is not None and dtype != config.dtype:
+        changes["dtype"] = dtype
+    if seq_len is not None and isinstance(config, TransformerConfig) and seq_len != config.seq_len:
+        changes["seq_len"] = seq_len
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def factorisations(world_size: int, data=None, tensor=None, pipeline=None) -> list[tuple[int, int, int]]:
+    """``(d, t, p)`` with ``d * t * p == world_size``, each in its allowed set (None: any)."""
+    divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
+    out = []
+    for d, t in itertools.product(divisors, divisors):
+        if world_size % (d * t):
+            continue
+        p = world_size // (d * t)
+        limits = ((d, data), (t, tensor), (p, pipeline))
+        if all(allowed is None or degree in allowed for degree, allowed in limits):
+            out.append((d, t, p))
+    return out
+
+
+def _microbatch_choices(space: StrategySpace, batch: int, d: int, p: int) -> list[tuple[int, int, str]]:
+    """``(count, size, reason)`` for each microbatch choice of one (batch, d, p)."""
+    per_replica, rem = divmod(batch, d)
+    if rem:
+        # The batch cannot be split; still one row per choice, all invalid.
+        reason = f"global batch {batch} is not divisible by data degree {d}"
+        if p == 1:
+            return [(m, 0, reason) for m in space.microbatches_without_pipeline]
+        if space.microbatch_sizes is not None:
+            return [(0, s, reason) for s in space.microbatch_sizes]
+        return [(m, 0, reason) for m in space.microbatches]
+    choices = []
+    if p > 1 and space.microbatch_sizes is not None:
+        for size in space.microbatch_sizes:
+            count, rem = divmod(per_replica, size)
+            if rem or count == 0:
+                choices.append(
+                    (0, size, f"per-replica batch {per_replica} is not a multiple of microbatch size {size}")
+                )
+            else:
+                choices.append((count, size, ""))
+        return choices
+    counts = space.microbatches if p > 1 else space.microbatches_without_pipeline
+    for m in counts:
+        size, rem = divmod(per_replica, m)
+        if rem or size == 0:
+            choices.append((m, 0, f"per-replica batch {per_replica} does not split into {m} microbatches"))
+        else:
+            choices.append((m, size, ""))
+    return choices
+
+
+def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
+    """Every configuration of ``space`` as a :class:`Config`, invalid ones with a reason.
+
+    Order: model, hardware, world size, global batch, (data, tensor, pipeline)
+    in factorisation order, microbatches, schedule, virtual stages, recompute,
+    zero, sequence parallel, overlap, dtype, optimizer. Configurations that
+    the conventions of this module make identical appear once.
+    """
+    seen: set[str] = set()
+    for model, hardware, world_size, batch in itertools.product(
+        space.model, space.hardware, space.world_sizes, space.global_batch_sizes
+    ):
+        for d, t, p in factorisations(world_size, space.data, space.tensor, space.pipeline):
+            for (m, size, batch_reason), dtype in itertools.product(
+                _microbatch_choices(space, batch, d, p), space.dtype
+            ):
+                try:
+                    model_config = resolve_model(model, dtype, space.seq_len)
+                    model_reason = ""
+                except ValueError as err:
+                    model_config, model_reason = None, _one_line(err)
+                resolved_dtype = model_config.dtype if model_config is not None else str(dtype)
+                seq = model_config.seq_len if isinstance(model_config, TransformerConfig) else 0
+                for schedule, v, recompute, zero, sp, overlap, optimizer in itertools.product(
+                    space.schedules,
+                    space.virtual_stages,
+                    space.recompute,
+                    space.zero,
+                    space.sequence_parallel,
+                    space.overlap_grad_comm,
+                    space.optimizer,
+                ):
+                    if p == 1 and m <= 1:
+                        schedule = next((s for s in space.schedules if s != "interleaved"), "1f1b")
+                    if schedule != "interleaved":
+                        v = 1
+                    if d == 1:  # no data parallelism: nothing to shard or overlap
+                        zero = overlap = False
+                    if t == 1:
+                        sp = False
+                    config = Config(
+                        model=model_label(model),
+                        hardware=hardware,
+                        world_size=world_size,
+                        global_batch_size=batch,
+                        seq_len=seq,
+                        data=d,
+                        tensor=t,
+                        pipeline=p,
+                        microbatches=m,
+                        microbatch_size=size,
+                        schedule=schedule,
+                        virtual_stages=v,
+                        recompute=recompute,
+                        zero=zero,
+                        sequence_parallel=sp,
+                        overlap_grad_comm=overlap,
+                        dtype=resolved_dtype,
+                        optimizer=optimizer,
+                        model_config=model_config,
+                    )
+                    key = config.config_id
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    reason = model_reason or batch_reason or constraint_reason(config)
+                    yield config.with_reason(reason) if reason else config
+
+
+def constraint_reason(config: Config) -> str:
+    """Why ``config`` cannot run, or ``""``: hardware, model shape, then the transforms' own checks."""
+    try:
+        config.topology()
+    except ValueError as err:
+        return _one_line(err)
+    model = config.model_config
+    # Stages may hold unequal layer counts (the pipeline transform balances
+    # them), so layers need not divide evenly; ParallelConfig.validate checks
+    # the rest (degrees, heads, batch splits).
+    if isinstance(model, TransformerConfig):
+        if model.ffn_hidden % config.tensor:
+            return f"MLP width {model.ffn_hidden} is not divisible by tensor degree {config.tensor}"
+        if config.sequence_parallel and model.seq_len % config.tensor:
+            return f"sequence length {model.seq_len} is not divisible by tensor degree {config.tensor}"
+    return _transform_reason(config)
+
+
+def _transform_reason(config: Config) -> str:
+    """The parallelism transforms' own check (``ParallelConfig.validate``), if installed."""
+    try:
+        from search._transform import validate_config
+    except ImportError:  # transforms not available: the checks above are all we have
+        return ""
+    return validate_config(config)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return " ".join(text.split())
+
+
+def count_configs(space: StrategySpace) -> int:
+    """Number of rows :func:`enumerate_configs` yields."""
+    return sum(1 for _ in enumerate_configs(space))
+
+
+def as_configs(space_or_configs: StrategySpace | Sequence[Config]) -> list[Config]:
+    """A space's configurations, or a given list of them, as a list."""
+    if isinstance(space_or_configs, StrategySpace):
+        return list(enumerate_configs(space_or_configs))
+    configs = []
+    for c in space_or_configs:
+        if not isinstance(c, Config):
+            raise ValueError(f"expected a StrategySpace or Config rows, got {type(c).__name__}")
+        if c.model_config is None:  # a row made by hand: resolve its preset name
+            c = dataclasses.replace(c, model_config=resolve_model(c.model, c.dtype, c.seq_len or None))
+        configs.append(c)
+    return configs

@@ -1,0 +1,174 @@
+"""The distir-jax command line: sweep, simulate, help and usage errors."""
+
+import json
+
+import pytest
+
+from distir_jax.cli import main
+from search import ResultTable
+
+SMALL_SWEEP = [
+    "sweep",
+    "--model",
+    "mlp-xs",
+    "--world-sizes",
+    "1,2",
+    "--batch-sizes",
+    "16,32",
+    "--recompute",
+    "none",
+    "--dtype",
+    "f32",
+    "--optimizer",
+    "sgd",
+    "--no-progress",
+    "--top-k",
+    "3",
+]
+
+
+def _one_line_error(capsys, code, argv):
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error" in err and "Traceback" not in err, err
+    return err
+
+
+def test_sweep_writes_results_and_prints_the_best(tmp_path, capsys):
+    pytest.importorskip("distir_jax.transforms.parallelize")
+    out = tmp_path / "sweep.csv"
+    assert main(SMALL_SWEEP + ["--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "top 3 by throughput" in text and "samples/s" in text and str(out) in text
+    table = ResultTable.read(out)
+    # 2 batches x (1 GPU + 2 GPUs as d2 or t2 + the 2-stage pipeline with 2 or 4 microbatches)
+    assert len(table) == 2 * (1 + 2 + 2)
+    assert set(table["model"].tolist()) == {"mlp-xs"}
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return
+    assert ResultTable.read(tmp_path / "sweep.parquet") == table
+
+
+def test_sweep_resume_keeps_existing_rows(tmp_path, capsys):
+    pytest.importorskip("distir_jax.transforms.parallelize")
+    out = tmp_path / "r.csv"
+    assert main(SMALL_SWEEP + ["--batch-sizes", "16", "--output", str(out)]) == 0
+    first = ResultTable.read(out)
+    assert main(SMALL_SWEEP + ["--output", str(out), "--resume", "--memory-limit", "1000"]) == 0
+    both = ResultTable.read(out)
+    assert len(both) == 2 * len(first)
+    assert set(first["config_id"].tolist()) < set(both["config_id"].tolist())
+    assert "under 1000 GB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sweep", "--world-sizes", "two"],
+        ["sweep", "--batch-sizes", "0"],
+        ["sweep", "--model", "gpt-9"],
+        ["sweep", "--schedules", "zigzag"],
+        ["sweep", "--zero", "maybe"],
+        ["sweep", "--output", "results.txt"],
+        ["sweep", "--no-such-option"],
+        ["simulate", "--data", "0"],
+        ["simulate", "--data", "2", "--world-size", "3"],
+        ["simulate", "--recompute", "most"],
+        ["frobnicate"],
+        [],
+    ],
+)
+def test_bad_options_give_one_line_and_exit_2(argv, capsys):
+    _one_line_error(capsys, 2, argv)
+
+
+def test_help_lists_every_option(capsys):
+    assert main(["sweep", "--help"]) == 0
+    text = capsys.readouterr().out
+    for option in (
+        "--model",
+        "--world-sizes",
+        "--batch-sizes",
+        "--seq-len",
+        "--data",
+        "--tensor",
+        "--pipeline",
+        "--microbatches",
+        "--microbatch-sizes",
+        "--schedules",
+        "--virtual-stages",
+        "--recompute",
+        "--zero",
+        "--sequence-parallel",
+        "--overlap",
+        "--dtype",
+        "--hardware",
+        "--optimizer",
+        "--output",
+        "--resume",
+        "--top-k",
+        "--memory-limit",
+        "--chunk-size",
+        "--chunk-memory",
+    ):
+        assert option in text, option
+    assert main(["simulate", "--help"]) == 0
+    text = capsys.readouterr().out
+    for option in (
+        "--model",
+        "--batch-size",
+        "--data",
+        "--tensor",
+        "--pipeline",
+        "--microbatches",
+        "--schedule",
+        "--recompute",
+        "--zero",
+        "--trace",
+        "--full",
+        "--hardware",
+        "--dtype",
+    ):
+        assert option in text, option
+    assert main(["--help"]) == 0 and "sweep" in capsys.readouterr().out
+
+
+def test_simulate_prints_the_numbers_and_writes_a_trace(tmp_path, capsys):
+    pytest.importorskip("distir_jax.transforms.pipeline")
+    trace = tmp_path / "trace.json"
+    argv = [
+        "simulate",
+        "--model",
+        "mlp-xs",
+        "--data",
+        "2",
+        "--pipeline",
+        "2",
+        "--microbatches",
+        "2",
+        "--batch-size",
+        "16",
+        "--dtype",
+        "f32",
+        "--optimizer",
+        "sgd",
+        "--trace",
+        str(trace),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    for field in ("status: ok", "step time:", "throughput:", "peak memory per device:", "device    0:"):
+        assert field in text, text
+    events = json.loads(trace.read_text())["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert complete and all(e["dur"] >= 0 and e["pid"] in (0, 1) for e in complete)
+    # Every op appears once per device it runs on: sends touch two devices.
+    sends = [e for e in complete if e["name"] == "Send"]
+    assert sends and len({e["pid"] for e in sends}) == 2
+
+
+def test_simulate_invalid_configuration_says_why(capsys):
+    assert main(["simulate", "--model", "mlp-xs", "--data", "4", "--batch-size", "2"]) == 1
+    assert "invalid" in capsys.readouterr().out

@@ -1,0 +1,184 @@
+"""Batched sweeps against the reference simulator; sharding, resuming and compile reuse."""
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("distir_jax.transforms.parallelize")
+
+from distir_jax.executor.reference import reference_simulate  # noqa: E402
+from distir_jax.models import TransformerConfig  # noqa: E402
+from search import ResultTable, StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
+
+# `search.evaluate` the module (the package re-exports the function of that name).
+evaluate_module = importlib.import_module("search.evaluate")
+TINY_GPT = TransformerConfig(num_layers=4, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
+
+MLP_SPACE = StrategySpace(
+    model="mlp-xs",
+    world_sizes=(1, 2, 4),
+    global_batch_sizes=(16, 64),
+    microbatches=(2, 4),
+    schedules=("gpipe", "1f1b"),
+    zero=(False, True),
+    overlap_grad_comm=(False, True),
+)
+GPT_SPACE = StrategySpace(
+    model=TINY_GPT,
+    world_sizes=(1, 2, 4),
+    global_batch_sizes=(8, 16),
+    microbatches=(2,),
+    schedules=("1f1b", "interleaved"),
+    recompute=("none", "attention", "full"),
+    sequence_parallel=(False, True),
+    optimizer="adam",
+)
+
+
+def _available(space):
+    """The space's configurations, minus those whose transform is not written yet."""
+    configs = []
+    for c in enumerate_configs(space):
+        needs = {
+            "tensor_parallel": c.tensor > 1,
+            "pipeline": c.pipeline > 1,
+            "recompute": c.recompute != "none",
+        }
+        if all(not need or _has_transform(name) for name, need in needs.items()):
+            configs.append(c)
+    return configs
+
+
+def _has_transform(name):
+    try:
+        __import__(f"distir_jax.transforms.{name}")
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def swept():
+    configs = _available(MLP_SPACE) + _available(GPT_SPACE)
+    return configs, evaluate(configs, progress=False)
+
+
+def test_one_row_per_configuration_in_order(swept):
+    configs, table = swept
+    assert table["config_id"].tolist() == [c.config_id for c in configs]
+    assert set(table["status"].tolist()) <= {"ok", "out of memory", "invalid"}
+    simulated = table["status"] != "invalid"
+    assert simulated.sum() > 50
+    assert all(r for r in table["reason"][~simulated])  # every invalid row says why
+    for name in ("step_time_s", "throughput_samples_per_s", "peak_memory_bytes", "bubble_time_s"):
+        assert not np.isnan(table[name]).any()
+
+
+def test_sweep_matches_the_reference_simulator(swept):
+    configs, table = swept
+    simulated = np.flatnonzero(table["status"] != "invalid")
+    rng = np.random.default_rng(0)
+    for i in rng.choice(simulated, size=min(50, len(simulated)), replace=False):
+        fn, topology = build_function(configs[i])
+        reference = reference_simulate(fn, topology)
+        peak = max(reference.peak_memory.values())
+        np.testing.assert_allclose(
+            table["step_time_s"][i], reference.step_time, rtol=1e-5, err_msg=str(configs[i])
+        )
+        np.testing.assert_allclose(table["peak_memory_bytes"][i], peak, rtol=1e-12, err_msg=str(configs[i]))
+        assert table["throughput_samples_per_s"][i] == pytest.approx(
+            configs[i].global_batch_size / reference.step_time, rel=1e-5
+        )
+
+
+def test_breakdown_adds_up_to_the_step_time_with_one_stream(swept):
+    configs, table = swept
+    rows = [i for i, c in enumerate(configs) if not c.overlap_grad_comm and table["status"][i] != "invalid"]
+    total = table["compute_time_s"][rows] + table["communication_time_s"][rows] + table["bubble_time_s"][rows]
+    np.testing.assert_allclose(total, table["step_time_s"][rows], rtol=1e-4)
+    assert (table["compute_time_s"][rows] > 0).all() and (table["bubble_time_s"][rows] >= 0).all()
+    single = [i for i in rows if configs[i].world_size == 1]
+    assert (table["communication_time_s"][single] == 0).all()
+
+
+def test_one_compiled_kernel_serves_many_structural_keys(swept, monkeypatch):
+    configs, _ = swept
+    subset = [c for c in configs if c.model == "mlp-xs" and c.world_size <= 2 and not c.zero]
+    assert len({c.structural_key() for c in subset if c.valid}) > 5
+    shapes = []
+    run = evaluate_module._run
+
+    def spy(program, hardware, devices):
+        shapes.append(tuple(np.shape(x) for x in jax.tree_util.tree_leaves((program, hardware))))
+        return run(program, hardware, devices)
+
+    monkeypatch.setattr(evaluate_module, "_run", spy)
+    evaluate(subset, progress=False)
+    assert len(set(shapes)) == 1  # every call has the same shapes: one compile
+
+
+def test_out_of_memory_rows_are_simulated_and_explained():
+    # mlp-medium's weights alone (64 x 16384^2 x 4 bytes, ~69 GB) overflow a 16 GB V100.
+    space = StrategySpace(model="mlp-medium", world_sizes=(1,), hardware="v100-pcie-4", dtype="f32")
+    table = evaluate(space, progress=False)
+    assert table["status"].tolist() == ["out of memory"]
+    assert "exceeds" in table["reason"][0] and table["peak_memory_gb"][0] > 16
+    assert np.isfinite(table["step_time_s"][0])
+
+
+def test_interrupted_and_resumed_sweep_equals_one_run(tmp_path, swept):
+    configs, table = swept
+    subset = configs[:60]
+    once = tmp_path / "once.csv"
+    evaluate(subset, results_path=once, progress=False)
+    resumed = tmp_path / "resumed.csv"
+    evaluate(subset[::3], results_path=resumed, progress=False)  # "interrupted" after a third
+    assert len(ResultTable.read(resumed)) == len(subset[::3])
+    evaluate(subset, results_path=resumed, progress=False)
+    assert ResultTable.read(resumed) == ResultTable.read(once)
+    assert ResultTable.read(once) == table.take(np.arange(60))
+
+
+def test_process_slices_partition_the_sweep(swept):
+    configs, table = swept
+    subset = configs[:40]
+    parts = [evaluate(subset, progress=False, process_index=i, process_count=3) for i in range(3)]
+    assert sorted(sum((p["config_id"].tolist() for p in parts), [])) == sorted(c.config_id for c in subset)
+    merged = ResultTable.concat(parts)
+    order = {cid: i for i, cid in enumerate(merged["config_id"].tolist())}
+    assert merged.take([order[c.config_id] for c in subset]) == table.take(np.arange(40))
+
+
+SHARDING_SCRIPT = textwrap.dedent("""
+    import jax
+    from search import StrategySpace, evaluate
+    assert len(jax.local_devices()) == 4, jax.local_devices()
+    space = StrategySpace(model="mlp-xs", world_sizes=(1, 2, 4), global_batch_sizes=(16, 64),
+                          tensor=(1,), microbatches=(2, 4))
+    sharded = evaluate(space, progress=False, shard=True)
+    unsharded = evaluate(space, progress=False, shard=False)
+    assert len(sharded) > 10 and sharded == unsharded, "sharded and unsharded tables differ"
+    print("SHARDED_OK", len(sharded))
+""")
+
+
+def test_sharded_and_unsharded_tables_are_identical():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDING_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SHARDED_OK" in done.stdout

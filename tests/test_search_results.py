@@ -1,0 +1,164 @@
+"""Result tables: ranking, Pareto fronts and file round trips on hand-made tables."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from search import COLUMNS, ResultTable
+from search.results import invalid_metrics
+
+
+def make_table(rows):
+    """A table from ``(status, throughput, peak_bytes)`` triples; other columns filled in."""
+    full = []
+    for i, (status, throughput, peak) in enumerate(rows):
+        row = {name: (kind() if kind is not bool else False) for name, kind in COLUMNS.items()}
+        row.update(
+            config_id=f"id{i:03d}",
+            model="mlp-xs",
+            hardware="dgx-a100-80gb",
+            world_size=4,
+            global_batch_size=64,
+            data=i,
+            status=status,
+            reason="" if status == "ok" else "why",
+        )
+        if status == "invalid":
+            row.update(invalid_metrics())
+        else:
+            row.update(
+                throughput_samples_per_s=throughput,
+                step_time_s=64 / throughput,
+                peak_memory_bytes=peak,
+                peak_memory_gb=peak / 1e9,
+            )
+        full.append(row)
+    return ResultTable.from_rows(full)
+
+
+HAND_MADE = make_table(
+    [
+        ("ok", 100.0, 10e9),  # 0: front (least memory)
+        ("ok", 90.0, 20e9),  # 1: dominated by 0
+        ("ok", 300.0, 30e9),  # 2: front
+        ("out of memory", 900.0, 90e9),  # 3: never ranked
+        ("ok", 300.0, 30e9),  # 4: ties 2 exactly: front too
+        ("ok", 250.0, 30e9),  # 5: same memory as 2, slower: dominated
+        ("invalid", 0.0, 0.0),  # 6: never ranked
+        ("ok", 500.0, 60e9),  # 7: front
+        ("ok", 500.0, 70e9),  # 8: dominated by 7
+    ]
+)
+
+
+def test_top_k_ranks_ok_rows_by_throughput():
+    top = HAND_MADE.top_k(4)
+    assert top["data"].tolist() == [7, 8, 2, 4]
+    assert HAND_MADE.top_k(100)["status"].tolist() == ["ok"] * 7
+    assert len(HAND_MADE.top_k(0)) == 0
+
+
+def test_top_k_memory_limit_is_inclusive():
+    assert HAND_MADE.top_k(3, memory_limit=30e9)["data"].tolist() == [2, 4, 5]
+    assert len(HAND_MADE.top_k(3, memory_limit=1e9)) == 0
+
+
+def test_pareto_front_on_hand_made_table():
+    front = HAND_MADE.pareto_front()
+    assert front["data"].tolist() == [0, 2, 4, 7]
+
+
+def brute_force_front(table):
+    ok = np.flatnonzero(table["status"] == "ok")
+    thr, mem = table["throughput_samples_per_s"], table["peak_memory_bytes"]
+    keep = []
+    for i in ok:
+        dominated = any(
+            thr[j] >= thr[i] and mem[j] <= mem[i] and (thr[j] > thr[i] or mem[j] < mem[i]) for j in ok
+        )
+        if not dominated:
+            keep.append(i)
+    return set(table["config_id"][keep].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["ok", "ok", "out of memory", "invalid"]),
+            st.integers(1, 6).map(float),
+            st.integers(1, 6).map(lambda m: m * 1e9),
+        ),
+        min_size=0,
+        max_size=25,
+    )
+)
+def test_pareto_front_matches_brute_force(rows):
+    table = make_table(rows)
+    front = table.pareto_front()
+    assert set(front["config_id"].tolist()) == brute_force_front(table)
+    assert list(front["peak_memory_bytes"]) == sorted(front["peak_memory_bytes"])
+
+
+def test_invalid_rows_have_no_nan():
+    for name in ("step_time_s", "throughput_samples_per_s", "peak_memory_bytes", "compute_time_s"):
+        assert not np.isnan(HAND_MADE[name]).any()
+    assert math.isinf(HAND_MADE["step_time_s"][6])
+
+
+def test_csv_round_trip_is_exact(tmp_path):
+    table = make_table([("ok", 1 / 3, 1e9 / 7), ("invalid", 0.0, 0.0)])
+    table.to_csv(tmp_path / "r.csv")
+    back = ResultTable.read(tmp_path / "r.csv")
+    assert back == table
+    assert back["step_time_s"][0] == table["step_time_s"][0]
+    assert back.columns == tuple(COLUMNS)
+
+
+def test_parquet_and_pandas(tmp_path):
+    pytest.importorskip("pyarrow")
+    pd = pytest.importorskip("pandas")
+    HAND_MADE.to_parquet(tmp_path / "r.parquet")
+    assert ResultTable.read(tmp_path / "r.parquet") == HAND_MADE
+    frame = HAND_MADE.to_pandas()
+    assert isinstance(frame, pd.DataFrame) and list(frame.columns) == list(COLUMNS) and len(frame) == 9
+
+
+def test_read_rejects_other_files(tmp_path):
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not a results table"):
+        ResultTable.read(tmp_path / "x.csv")
+
+
+def test_format_prints_a_header_and_rows():
+    text = HAND_MADE.top_k(2).format()
+    lines = text.splitlines()
+    assert len(lines) == 3 and "samples/s" in lines[0] and "500.0" in lines[1]
+
+
+def test_take_where_and_concat():
+    ok = HAND_MADE.where(status="ok")
+    assert len(ok) == 7
+    both = ResultTable.concat([ok, HAND_MADE.where(status="invalid")])
+    assert len(both) == 8 and both.row(7)["status"] == "invalid"
+
+
+def test_progress_falls_back_to_a_plain_printer_without_tqdm(monkeypatch, capsys):
+    import sys
+
+    from search._progress import progress_bar
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    bar = progress_bar(10, desc="sweep")
+    bar.update(4)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "4/10 configurations" in err and "configurations/s" in err
+    quiet = progress_bar(10, enabled=False)
+    quiet.update(10)
+    quiet.close()
+    assert capsys.readouterr().err == ""

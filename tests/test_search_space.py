@@ -1,0 +1,185 @@
+"""Strategy spaces: enumeration counts, invalid rows with reasons, stable ids."""
+
+import collections
+
+import pytest
+
+import search
+from distir_jax.models import TransformerConfig
+from search import Config, StrategySpace, enumerate_configs, factorisations
+
+TINY_GPT = TransformerConfig(num_layers=2, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
+
+
+def test_public_names_exist():
+    for name in search.__all__:
+        assert hasattr(search, name), name
+
+
+@pytest.mark.parametrize("world_size, expected", [(1, 1), (2, 3), (4, 6), (8, 10), (16, 15), (12, 18)])
+def test_factorisations_cover_every_ordered_triple(world_size, expected):
+    triples = factorisations(world_size)
+    assert len(triples) == expected == len(set(triples))
+    assert all(d * t * p == world_size for d, t, p in triples)
+
+
+def test_factorisations_respect_allowed_degrees():
+    assert factorisations(16, tensor=(1,)) == [(1, 1, 16), (2, 1, 8), (4, 1, 4), (8, 1, 2), (16, 1, 1)]
+    assert factorisations(8, data=(8,)) == [(8, 1, 1)]
+
+
+def test_distir_mlp_grid_has_460_rows_per_model():
+    # DistIR's grid: world sizes 1..16, batches 64..4096, microbatches 1 without
+    # a pipeline, else 2..32. Per batch: 15 triples with p = 1, 20 with p > 1.
+    space = StrategySpace(
+        model=("mlp-xs", "mlp-small"),
+        world_sizes=(1, 2, 4, 8, 16),
+        global_batch_sizes=(64, 256, 1024, 4096),
+        microbatches=(2, 4, 8, 16, 32),
+    )
+    configs = list(enumerate_configs(space))
+    assert len(configs) == 2 * 4 * (15 * 1 + 20 * 5) == 920
+    assert len({c.config_id for c in configs}) == len(configs)
+    assert all(c.microbatches == 1 for c in configs if c.pipeline == 1)
+    # mlp-xs has 8 layers: 16 stages cannot each get one.
+    deep = [c for c in configs if c.model == "mlp-xs" and c.pipeline == 16]
+    assert deep and all("pipeline=16" in c.reason for c in deep)
+    assert all(
+        c.valid
+        for c in configs
+        if c.model == "mlp-small"
+        and c.pipeline == 16
+        and c.global_batch_size // c.microbatches >= 1
+        and c.microbatch_size > 0
+    )
+
+
+def test_invalid_rows_keep_their_place_and_say_why():
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(8,),
+        global_batch_sizes=(4, 16),
+        microbatches=(2, 8),
+        hardware=("dgx-a100-80gb", "v100-pcie-4"),
+    )
+    configs = list(enumerate_configs(space))
+    reasons = collections.Counter()
+    for c in configs:
+        assert isinstance(c.reason, str)
+        if not c.valid:
+            reasons[c.reason.split(" ")[0]] += 1
+    by_reason = {c.reason for c in configs if not c.valid}
+    # 8 GPUs do not fit the 4-GPU V100 server.
+    assert any("v100-pcie-4" in r and "num_devices" in r for r in by_reason)
+    # 4 heads do not split 8 ways.
+    assert any("tensor=8" in r and "heads" in r for r in by_reason)
+    # 4 samples cannot be split over 8 replicas.
+    assert any("not divisible by data degree 8" in r for r in by_reason)
+    # A per-replica batch of 2 does not make 8 microbatches.
+    assert any("does not split into 8 microbatches" in r for r in by_reason)
+    assert sum(c.valid for c in configs) > 0
+    assert all(c.microbatches > 0 and c.microbatch_size > 0 for c in configs if c.valid)
+
+
+def test_no_duplicates_when_knobs_do_not_apply():
+    # Without a pipeline (one microbatch) the schedule and virtual stages do not matter.
+    space = StrategySpace(
+        model="mlp-xs",
+        world_sizes=(2,),
+        schedules=("gpipe", "1f1b", "interleaved"),
+        virtual_stages=(2, 4),
+        microbatches=(2,),
+    )
+    configs = list(enumerate_configs(space))
+    no_pipeline = [c for c in configs if c.pipeline == 1]
+    assert len(no_pipeline) == 2  # (d, t) = (2, 1) and (1, 2)
+    assert {c.schedule for c in no_pipeline} == {"gpipe"} and {c.virtual_stages for c in no_pipeline} == {1}
+    piped = [c for c in configs if c.pipeline == 2]
+    assert sorted((c.schedule, c.virtual_stages) for c in piped) == [
+        ("1f1b", 1),
+        ("gpipe", 1),
+        ("interleaved", 2),
+        ("interleaved", 4),
+    ]
+
+
+def test_microbatch_sizes_give_counts():
+    space = StrategySpace(
+        model="mlp-xs", world_sizes=(4,), global_batch_sizes=(64,), pipeline=(2,), microbatch_sizes=(4, 5)
+    )
+    rows = {(c.data, c.tensor, c.microbatch_size): c for c in enumerate_configs(space)}
+    assert rows[(2, 1, 4)].microbatches == 8 and rows[(2, 1, 4)].valid
+    assert rows[(1, 2, 4)].microbatches == 16
+    assert not rows[(2, 1, 5)].valid and "microbatch size 5" in rows[(2, 1, 5)].reason
+
+
+def test_config_ids_are_stable_and_ignore_the_reason():
+    config = next(iter(enumerate_configs(StrategySpace(model="mlp-xs", world_sizes=(1,)))))
+    # A golden value: ids must not change between runs, processes or Python versions.
+    assert config.config_id == search.config_id(config.knobs())
+    assert config.with_reason("whatever").config_id == config.config_id
+    assert config.config_id == "6743d1d2bcc3bec1", config.config_id
+
+
+def test_structural_key_leaves_out_sizes_and_hardware():
+    space = StrategySpace(
+        model="mlp-xs",
+        world_sizes=(2,),
+        global_batch_sizes=(64, 128),
+        hardware=("dgx-a100-80gb", "dgx-h100"),
+        data=(2,),
+    )
+    configs = list(enumerate_configs(space))
+    assert len(configs) == 4 and len({c.structural_key() for c in configs}) == 1
+
+
+def test_transformer_seq_len_override_and_dtype():
+    space = StrategySpace(model=TINY_GPT, world_sizes=(1,), seq_len=32, dtype="bf16")
+    (config,) = enumerate_configs(space)
+    assert config.seq_len == 32 and config.dtype == "bf16" and config.model_config.seq_len == 32
+    assert config.model.startswith("TransformerConfig(")
+    assert config.preset == "dgx-a100-80gb:1"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(schedules=("zigzag",)),
+        dict(recompute=("most",)),
+        dict(world_sizes=(0,)),
+        dict(model="gpt-9"),
+        dict(optimizer="lion"),
+        dict(global_batch_sizes=()),
+        dict(microbatches=None),
+        dict(zero=("yes",)),
+    ],
+)
+def test_bad_spaces_raise_value_error(bad):
+    with pytest.raises(ValueError):
+        StrategySpace(**bad)
+
+
+def test_unknown_dtype_is_an_invalid_row_not_an_exception():
+    (config,) = enumerate_configs(StrategySpace(model="mlp-xs", world_sizes=(1,), dtype="f8"))
+    assert not config.valid and "dtype" in config.reason
+
+
+def test_config_is_a_frozen_row():
+    config = next(iter(enumerate_configs(StrategySpace(model="mlp-xs", world_sizes=(1,)))))
+    assert isinstance(config, Config)
+    with pytest.raises(AttributeError):
+        config.data = 2
+
+
+def test_options_that_need_a_degree_collapse_without_it():
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(2,),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        sequence_parallel=(False, True),
+        microbatches=(2,),
+    )
+    rows = collections.Counter((c.data, c.tensor, c.pipeline) for c in enumerate_configs(space))
+    # d = 2: zero x overlap; t = 2: sequence parallel or not; the pipeline: neither.
+    assert rows == {(2, 1, 1): 4, (1, 2, 1): 2, (1, 1, 2): 1}
