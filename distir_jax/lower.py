@@ -197,7 +197,7 @@ def _stack_variants(values, trailing=()) -> np.ndarray:
     Entries may be plain numbers or ``[S]`` arrays of size variants; when any
     is a vector the result gets a leading ``S`` axis.
     """
-    sizes = {np.shape(x)[0] for x in _flat(values) if np.ndim(x) == 1}
+    sizes = {x.shape[0] for x in _flat(values) if isinstance(x, np.ndarray) and x.ndim == 1}
     if len(sizes) > 1:
         raise ValueError(f"size-variant dims disagree on the number of variants: {sorted(sizes)}")
     if not sizes:

@@ -113,7 +113,14 @@ def registered_op_types() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+_LOADED = False
+
+
 def _ensure_loaded() -> None:
     # Op definitions register themselves on import; importing here keeps the
     # registry complete however the package was entered.
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
     from distir_jax.ir import ops_comm, ops_compute, ops_loss, ops_nn, ops_optim, ops_shape  # noqa: F401
