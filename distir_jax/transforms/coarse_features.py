@@ -12,7 +12,8 @@ and keeps, per part and direction (``F``: forward; ``B``: recomputation and
 backward):
 
 * the fused cost features (roofline split into linear terms on the
-  topology's first device, see :mod:`coarse_fuse`); tensor-parallel
+  topology's first device, see :mod:`coarse_fuse`: exact on that hardware,
+  the fused-kernel approximation on hardware of other speeds); tensor-parallel
   collectives are part of them, as communication on the TP group's link;
 * the memory events: the peak rise above the live bytes at the part's start
   and the net bytes it leaves allocated. Chained, these reproduce what the
@@ -24,7 +25,9 @@ backward):
 Per part also: the weight, gradient and Adam-state bytes of the
 representative rank, the fused optimizer update, and (for any data-parallel
 degree) the gradient all-reduce or ZeRO reduce-scatter / all-gather features,
-from the communication ops' own registry entries.
+from the communication ops' own registry entries (for ZeRO on gradients
+flattened and padded to a multiple of the degree, as ZeRO implementations
+do; the fine data-parallel transform instead needs dim 0 divisible).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class LayerFeatures:
       param_bytes: ``[3]`` weight bytes of each part (gradients are as large).
       state_bytes: ``[3]`` optimizer state bytes of each part.
       optimizer: ``[3, F]`` fused optimizer update of each part's weights.
+      accumulate: ``[3, F]`` adding one microbatch's weight gradients of a part
+        to the running sums (an ``Add`` per weight, in later microbatches' backwards).
       grad_types: per part, the types of its weight gradients.
     """
 
@@ -89,6 +94,7 @@ class LayerFeatures:
     param_bytes: np.ndarray
     state_bytes: np.ndarray
     optimizer: np.ndarray
+    accumulate: np.ndarray
     grad_types: tuple
 
     @property
@@ -198,6 +204,18 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         grads[part].append(op.inputs[1].type)
     for part in range(3):
         optimizer_features[part] = feats[0, index[("opt", part)]]
+    accumulate = np.zeros((3, len(COST_FEATURES)))
+    add = get_spec("Add")
+    speeds = (1.0 / topology.peak_flops[0], 1.0 / topology.memory_bandwidth[0])
+    for part, types in enumerate(grads):
+        for g in types:
+            f = add.features({}, (g, g), (g,))
+            flops, traffic = float(np.max(f.flops)), float(np.max(f.mem_bytes))
+            accumulate[part, _FEATURE_INDEX["launches"]] += 1.0
+            if flops * speeds[0] >= traffic * speeds[1]:
+                accumulate[part, _FEATURE_INDEX["linear_flops"]] += flops
+            else:
+                accumulate[part, _FEATURE_INDEX["linear_bytes"]] += traffic
     itemsize = DTYPE_BYTES[model.dtype]
     b = np.asarray(sizes, np.float64)
     return LayerFeatures(
@@ -214,6 +232,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         param_bytes=params,
         state_bytes=state,
         optimizer=optimizer_features,
+        accumulate=accumulate,
         grad_types=tuple(tuple(g) for g in grads),
     )
 

@@ -15,7 +15,8 @@ other op on those resources in between) become one op:
   communication volumes and hops add too; all communicating members of a
   group must share one bottleneck link, which becomes the fused op's link.
 * **Timeline.** The fused op waits for every input of its members before it
-  starts. That equals the members' timeline whenever no member waits for an
+  starts (dependencies that issue order implies under the analytic cost model
+  are dropped, see :func:`prune_implied`). That equals the members' timeline whenever no member waits for an
   input that arrives while an earlier member runs (true for pipeline steps,
   whose messages occupy the receiving device before the step starts).
 * **Memory.** Per device, the fused op allocates the members' peak rise
@@ -196,12 +197,14 @@ def _topological_order(groups, group_of, resources, deps) -> list[int]:
 
 
 def prune_implied(deps: Sequence[Sequence[int]], resources: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Drops dependencies that issue order already implies.
+    """Drops dependencies that issue order already implies under the analytic cost model.
 
-    A producer that occupies a single resource finishes before that resource
-    frees up, so a consumer on that resource waits for it anyway (as
-    :func:`~distir_jax.lower.lower` prunes); and of several single-resource
-    producers on one resource, waiting for the last issued implies the others.
+    The analytic model costs an op the same on each of its resources, so every
+    resource it occupies is busy until it finishes: a consumer that shares a
+    resource with its producer (issued later there) waits for it anyway. (With
+    explicit per-resource costs only single-resource producers would qualify,
+    which is what :func:`~distir_jax.lower.lower` keeps to.) Of several
+    single-resource producers on one resource, the last issued implies the others.
     """
     single = [rs[0] if len(rs) == 1 else None for rs in resources]
     kept = []
@@ -210,10 +213,12 @@ def prune_implied(deps: Sequence[Sequence[int]], resources: Sequence[Sequence[in
         last: dict[int, int] = {}
         others = []
         for j in ds:
+            if mine.intersection(resources[j]):
+                continue
             r = single[j]
             if r is None:
                 others.append(j)
-            elif r not in mine:
+            else:
                 last[r] = max(last.get(r, -1), j)
         kept.append(sorted(set(others) | set(last.values())))
     return kept
@@ -271,11 +276,11 @@ def _fused_program(program, topology, n, groups, order, member_group, dep_slot, 
     per_byte = 1.0 / topology.memory_bandwidth[device]
     compute_bound = fused["flops"] * per_flop >= fused["mem_bytes"] * per_byte
     multi = (members > 1)[member_group]  # singletons keep their roofline
-    linear = {
-        name: fused[name] for name in _LINEAR
-    }
+    linear = {name: fused[name] for name in _LINEAR}
     linear["linear_flops"] = linear["linear_flops"] + np.where(multi & compute_bound, fused["flops"], 0.0)
-    linear["linear_bytes"] = linear["linear_bytes"] + np.where(multi & ~compute_bound, fused["mem_bytes"], 0.0)
+    linear["linear_bytes"] = linear["linear_bytes"] + np.where(
+        multi & ~compute_bound, fused["mem_bytes"], 0.0
+    )
     features = {name: np.add.reduceat(linear[name][..., perm], starts, axis=-1) for name in _LINEAR}
     for name in ("flops", "mem_bytes"):
         features[name] = np.where(members > 1, 0.0, fused[name][..., first])

@@ -1,0 +1,64 @@
+"""Coarse programs: one op per pipeline step, for sweeps over large models.
+
+A fine program of GPT-3 175B under a pipeline schedule has millions of ops;
+its coarse version has one op per (chunk, microbatch, direction), one per
+message, and a few per stage for data parallelism. Two ways to get one:
+
+* :func:`coarsen` fuses the ops of any lowered program by caller-given labels
+  (e.g. a program built by the real transforms), keeping its timeline and
+  peak memory on a reference topology.
+* :func:`coarse_pipeline_program` builds the same coarse program directly as
+  arrays from :func:`layer_features` (one fine block, measured once per
+  tensor degree, recompute policy and hardware) and a
+  :class:`PipelineTemplate` (one per structural key), without any IR.
+
+Tests check that the two agree op for op on small models.
+"""
+
+from distir_jax.transforms.coarse_features import DIRECTIONS, PARTS, LayerFeatures, layer_features
+from distir_jax.transforms.coarse_fuse import allocate_finish_slots, coarsen, fuse_groups, prune_implied
+from distir_jax.transforms.coarse_pipeline import (
+    DATA_MODES,
+    KIND_NAMES,
+    PipelineTemplate,
+    data_mode,
+    pipeline_template,
+    template_size,
+)
+from distir_jax.transforms.coarse_program import (
+    ChunkTables,
+    balanced_layers,
+    chunk_tables,
+    coarse_pipeline_program,
+    realize,
+    stage_devices,
+    stage_peak_memory,
+)
+from distir_jax.transforms.coarse_schedule import estimated_times, message_times, schedule_arrays
+
+__all__ = [
+    "DATA_MODES",
+    "DIRECTIONS",
+    "KIND_NAMES",
+    "PARTS",
+    "ChunkTables",
+    "LayerFeatures",
+    "PipelineTemplate",
+    "allocate_finish_slots",
+    "balanced_layers",
+    "chunk_tables",
+    "coarse_pipeline_program",
+    "coarsen",
+    "data_mode",
+    "estimated_times",
+    "fuse_groups",
+    "layer_features",
+    "message_times",
+    "pipeline_template",
+    "prune_implied",
+    "realize",
+    "schedule_arrays",
+    "stage_devices",
+    "stage_peak_memory",
+    "template_size",
+]

@@ -1,0 +1,373 @@
+"""Coarse pipeline programs, generated directly as arrays.
+
+:func:`coarse_pipeline_program` builds the :class:`~distir_jax.lower.Program`
+of a hybrid-parallel GPT training step with one op per pipeline step, without
+building or lowering any IR: what the fine program (tensor parallel,
+recompute, pipeline and data parallel transforms, ``representative_only``)
+would give after :func:`~distir_jax.transforms.coarse_fuse.coarsen` grouped
+its ops by ``(chunk, microbatch, direction)``.
+
+Ops, in the issue order of
+:func:`~distir_jax.transforms.schedules.global_issue_order` (steps by
+estimated start, each message where its two devices come free closest
+together; see :mod:`coarse_schedule`), from estimated step costs: by default
+one unit per chunk forward and two per backward (so a template serves every
+configuration of its structural key), or the caller's (the pipeline transform
+uses ``1 + flops``, which reproduces its order exactly):
+
+* ``F`` / ``B``: a chunk's forward / backward on one microbatch, on its stage's
+  device; features ``layers * block (+ embedding on chunk 0) (+ head on the
+  last chunk)`` from :class:`~distir_jax.transforms.coarse_features.LayerFeatures`;
+  tensor-parallel collectives are in them, on the TP group's link.
+* ``Send``: a block output to the next chunk's device after a forward, its
+  gradient to the previous one after a backward.
+* data parallelism (``d > 1``): without overlap, one op per stage after its
+  last step holds the gradient all-reduce (or ZeRO reduce-scatter and
+  all-gather) and the Adam update; with overlap, each chunk's reduction is an
+  op on stream 1 right after the chunk's last backward, then the update (and
+  with ZeRO the all-gather, again on stream 1).
+
+Dependencies: a step's inputs arrive by messages that occupy its device's
+stream before it, so under the analytic cost model (an op busy until it
+finishes on every resource it holds) issue order implies them; only the
+stream-1 data-parallel ops carry explicit dependencies, which keeps the
+kernel's finish-time table to a few slots.
+
+Symmetry reduction: devices are numbered as the transforms number them
+(tensor ranks adjacent, then stages, data replicas outermost: ``dp * p * t +
+stage * t + tp``); only tensor rank 0 of replica 0 is simulated, one device
+per stage, and every collective is costed on its full group's slowest link.
+
+Memory per stage device: resident weights and optimizer state (ZeRO: a
+``1 / d`` shard of the state plus a master-weight shard, as the data-parallel
+transform keeps them) and the microbatches' tokens / labels; gradients are
+allocated by a chunk's first backward and freed by the update; each forward
+keeps what the fine block's memory events say it keeps until the matching
+backward frees it, so GPipe's and 1F1B's stashes follow from the issue order;
+a message is allocated on the receiver and freed on the sender. Peak memory
+comes from these events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from distir_jax.lower import NO_SLOT
+from distir_jax.transforms.coarse_schedule import estimated_times, message_times, schedule_arrays
+
+__all__ = [
+    "DATA_MODES",
+    "KIND_NAMES",
+    "PipelineTemplate",
+    "data_mode",
+    "pipeline_template",
+    "template_size",
+]
+
+# Op kinds of a coarse pipeline program.
+F, B, SEND_ACTIVATION, SEND_GRADIENT, REDUCE, UPDATE, GATHER = range(7)
+KIND_NAMES = ("F", "B", "send_activation", "send_gradient", "reduce", "update", "gather")
+# How gradients meet across data-parallel replicas (structure only).
+DATA_MODES = ("none", "sync", "overlap", "overlap_zero")
+
+
+def data_mode(data: int, overlap: bool, zero: bool) -> str:
+    """The structural data-parallel mode of a configuration."""
+    if data == 1:
+        return "none"
+    if not overlap:
+        return "sync"
+    return "overlap_zero" if zero else "overlap"
+
+
+def template_size(pipeline: int, microbatches: int, virtual_stages: int, mode: str) -> tuple[int, int]:
+    """``(num_ops, num_slots)`` of a template, without building it.
+
+    Steps ``2 k v p``, messages ``2 k (n - 1)`` with ``n = p v`` chunks, then
+    per mode a reduction per chunk, an update per stage and a gather per stage.
+    Finish slots: each chunk's last backward and each stage's last reduction
+    (and its update, read by the gather) are read by a later op.
+    """
+    p, k, v = pipeline, microbatches, virtual_stages
+    n = p * v
+    overlap = mode.startswith("overlap")
+    gathers = p if mode == "overlap_zero" else 0
+    num_ops = 2 * k * n + 2 * k * (n - 1) + (n if overlap else 0) + p + gathers
+    num_slots = n + p + gathers if overlap else 1
+    return num_ops, num_slots
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineTemplate:
+    """The structure of a coarse pipeline program, stage-relative (``N`` ops).
+
+    Attributes:
+      pipeline, microbatches, virtual_stages, schedule, mode: the structural key.
+      kind: ``[N]`` op kind (``KIND_NAMES``).
+      chunk: ``[N]`` chunk of a step, send (its producer's) or reduction; -1 otherwise.
+      microbatch: ``[N]`` microbatch of a step or send; -1 otherwise.
+      stage: ``[N, 2]`` stage of each resource slot (a send: sender, receiver), or -1.
+      stream: ``[N]`` stream the op runs on.
+      dep_slot, out_slot, num_slots: finish-time slots, as in a Program.
+    """
+
+    pipeline: int
+    microbatches: int
+    virtual_stages: int
+    schedule: str
+    mode: str
+    kind: np.ndarray
+    chunk: np.ndarray
+    microbatch: np.ndarray
+    stage: np.ndarray
+    stream: np.ndarray
+    dep_slot: np.ndarray
+    out_slot: np.ndarray
+    num_slots: int
+
+    @property
+    def num_ops(self) -> int:
+        return int(self.kind.shape[0])
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pipeline * self.virtual_stages
+
+    @property
+    def num_streams(self) -> int:
+        return 2 if self.mode.startswith("overlap") else 1
+
+    @functools.cached_property
+    def stage_events(self) -> tuple[np.ndarray, np.ndarray]:
+        """Memory events (resource slots, ``[N * 2]`` flattened) grouped by stage, each
+        stage's in program order: ``(slot permutation, stage of each)``."""
+        flat = self.stage.reshape(-1)
+        used = np.flatnonzero(flat >= 0)
+        perm = used[np.argsort(flat[used], kind="stable")]
+        return perm, flat[perm]
+
+    @functools.cached_property
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Cost-table and memory-table row of every op (see :class:`~.coarse_program.ChunkTables`)."""
+        n, p = self.num_chunks, self.pipeline
+        kind, chunk, stage = self.kind, self.chunk, self.stage[:, 0]
+        later = self.microbatch > 0
+        send = (kind == SEND_ACTIVATION) | (kind == SEND_GRADIENT)
+        cost_row = np.select(
+            [kind == F, kind == B, send, kind == REDUCE, kind == UPDATE],
+            [chunk, n + chunk + n * later, 3 * n, 3 * n + 1 + chunk, 4 * n + 1 + stage],
+            4 * n + p + 1 + stage,
+        )
+        memory_row = np.select(
+            [kind == F, kind == B, send, kind == UPDATE],
+            [chunk, n + chunk + n * later, 3 * n, 3 * n + 1 + stage],
+            3 * n + p + 1,
+        )
+        return cost_row, memory_row
+
+    @functools.cached_property
+    def link_kind(self) -> np.ndarray:
+        """``[N]`` which link an op is costed on: 0 none (its own device), 1 the
+        tensor-parallel group's, 2 the two devices of a send, 3 the data-parallel group's."""
+        kind = self.kind
+        on_dp = (kind == REDUCE) | (kind == GATHER) | ((kind == UPDATE) & (self.mode == "sync"))
+        return np.select(
+            [kind <= B, (kind == SEND_ACTIVATION) | (kind == SEND_GRADIENT), on_dp], [1, 2, 3], 0
+        ).astype(np.int8)
+
+
+def pipeline_template(
+    pipeline: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+    mode: str = "none",
+    step_costs=None,
+) -> PipelineTemplate:
+    """The structure of a coarse pipeline program.
+
+    Args:
+      pipeline, microbatches, virtual_stages: ``p``, ``k``, ``v``.
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+      mode: one of ``DATA_MODES`` (see :func:`data_mode`).
+      step_costs: ``None`` for the fast issue order (cached per key): steps
+        by their estimated start with unit forward and double backward costs,
+        messages when their data is ready. Or ``[p * v, 2]`` estimated seconds
+        of each chunk's forward and backward: then the order is
+        :func:`~distir_jax.transforms.schedules.global_issue_order`'s, as the
+        pipeline transform computes it from the same estimates.
+
+    Returns:
+      A :class:`PipelineTemplate`.
+    """
+    if mode not in DATA_MODES:
+        raise ValueError(f"mode must be one of {DATA_MODES}, got {mode!r}")
+    if step_costs is None:
+        return _cached_template(int(pipeline), int(microbatches), int(virtual_stages), schedule, mode)
+    return _build_template_uncached(
+        int(pipeline), int(microbatches), int(virtual_stages), schedule, mode, step_costs
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_template(p, k, v, schedule, mode):
+    return _build_template(_cached_core(p, k, v, schedule), mode)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_core(p, k, v, schedule):
+    return _core(p, k, v, schedule, None)
+
+
+def _build_template_uncached(p, k, v, schedule, mode, step_costs):
+    return _build_template(_core(p, k, v, schedule, step_costs), mode)
+
+
+def _core(p, k, v, schedule, step_costs) -> dict:
+    """Steps and messages in the order of
+    :func:`~distir_jax.transforms.schedules.global_issue_order`: steps by
+    estimated start, messages by :func:`message_times`, a message before a step
+    at equal times. Independent of data parallelism, so shared by its modes."""
+    chunk, mb, backward = schedule_arrays(schedule, p, k, v)
+    n = p * v
+    unit_costs = step_costs is None
+    if unit_costs:  # a forward per chunk, a backward twice that
+        step_costs = np.stack([np.ones(n), 2.0 * np.ones(n)], axis=1)
+    step_costs = np.asarray(step_costs, np.float64)
+    if step_costs.shape != (n, 2) or not np.all(step_costs > 0):
+        raise ValueError(f"step_costs must be [p * v, 2] = [{n}, 2] positive numbers, got {step_costs.shape}")
+    if unit_costs:  # integer costs: the vectorized sums are exact
+        start, finish = estimated_times(chunk, mb, backward, n, step_costs[chunk, backward.astype(np.int64)])
+    else:  # the transform's own arithmetic, so that equal times stay equal
+        start, finish = _transform_times(schedule, chunk, mb, backward, p, k, v, step_costs)
+    m = chunk.shape[1]
+    flat_chunk, flat_mb, flat_bwd = chunk.reshape(-1), mb.reshape(-1), backward.reshape(-1)
+    device = np.repeat(np.arange(p), m)
+    position = np.full((2, n, k), -1, np.int64)
+    position[flat_bwd.astype(np.int64), flat_chunk, flat_mb] = np.arange(p * m)
+    # Messages, in the order the pipeline transform lists them: activations by
+    # boundary, then gradients from the last boundary back, microbatches inner.
+    act_c, act_m = np.divmod(np.arange((n - 1) * k), k)
+    grad_c = n - 1 - act_c
+    producer = np.concatenate([position[0, act_c, act_m], position[1, grad_c, act_m]])
+    consumer = np.concatenate([position[0, act_c + 1, act_m], position[1, grad_c - 1, act_m]])
+    tau = message_times(start, finish, producer, consumer)
+    num_messages = len(producer)
+    time = np.concatenate([start.reshape(-1), tau])
+    tier = np.concatenate([np.ones(p * m), np.zeros(num_messages)])
+    third = np.concatenate([device, np.arange(num_messages)])
+    order = np.lexsort((third, tier, time))
+    rank = np.empty(len(time), np.int64)
+    rank[order] = 2 * np.arange(len(time))
+    msg_kind = np.repeat([SEND_ACTIVATION, SEND_GRADIENT], (n - 1) * k)
+    msg_chunk = np.concatenate([act_c, grad_c])
+    receiver = np.where(msg_kind == SEND_ACTIVATION, msg_chunk + 1, msg_chunk - 1) % p
+    return dict(
+        p=p,
+        k=k,
+        v=v,
+        schedule=schedule,
+        rank=rank,
+        kind=np.concatenate([np.where(flat_bwd, B, F), msg_kind]),
+        chunk=np.concatenate([flat_chunk, msg_chunk]),
+        mb=np.concatenate([flat_mb, act_m, act_m]),
+        stage=np.concatenate([device, msg_chunk % p]),
+        stage2=np.concatenate([np.full(p * m, -1), receiver]),
+        last_backward=np.concatenate([flat_bwd & (flat_mb == k - 1), np.zeros(num_messages, bool)]),
+    )
+
+
+def _transform_times(schedule, chunk, mb, backward, p, k, v, step_costs):
+    """:func:`~distir_jax.transforms.schedules.schedule_times` as ``[p, M]`` arrays."""
+    from distir_jax.transforms.schedules import Step, make_schedule, schedule_times
+
+    times = schedule_times(
+        make_schedule(schedule, p, k, v),
+        p * v,
+        lambda st: float(step_costs[st.chunk, int(st.direction == "B")]),
+    )
+    pairs = [
+        times[Step(int(c), int(m), "B" if b else "F")]
+        for c, m, b in zip(chunk.reshape(-1), mb.reshape(-1), backward.reshape(-1), strict=True)
+    ]
+    start, finish = np.asarray(pairs, np.float64).T
+    return start.reshape(chunk.shape), finish.reshape(chunk.shape)
+
+
+def _build_template(core: dict, mode: str) -> PipelineTemplate:
+    """Adds a data-parallel mode's ops to a core; orders ops, finds dependencies and slots."""
+    p, k, v, n = core["p"], core["k"], core["v"], core["p"] * core["v"]
+    # Each chunk's reduction right after its last backward; updates (each followed
+    # by its gather) last, in stage order.
+    reduces = core["last_backward"] if mode.startswith("overlap") else np.zeros_like(core["last_backward"])
+    num_red = int(reduces.sum())
+    ends = 2 if mode == "overlap_zero" else 1
+    last = 2 * len(core["rank"])
+    none = np.full(num_red + ends * p, -1)
+    kind = np.concatenate([core["kind"], np.full(num_red, REDUCE), np.repeat([UPDATE, GATHER][:ends], p)])
+    ev_chunk = np.concatenate([core["chunk"], core["chunk"][reduces], np.full(ends * p, -1)])
+    ev_mb = np.concatenate([core["mb"], none])
+    ev_stage = np.concatenate([core["stage"], core["stage"][reduces], np.tile(np.arange(p), ends)])
+    ev_stage2 = np.concatenate([core["stage2"], none])
+    ev_stream = np.concatenate(  # reductions and gathers on stream 1
+        [np.zeros(len(core["rank"]), np.int64), np.ones(num_red, np.int64), np.repeat(np.arange(ends), p)]
+    )
+    rank = np.concatenate(
+        [core["rank"], core["rank"][reduces] + 1] + [last + 2 * np.arange(p) + e for e in range(ends)]
+    )
+    order = np.argsort(rank, kind="stable")
+    kind, ev_chunk, ev_mb = kind[order], ev_chunk[order], ev_mb[order]
+    ev_stage, ev_stage2, ev_stream = ev_stage[order], ev_stage2[order], ev_stream[order]
+    num_ops = len(kind)
+    op = np.arange(num_ops)
+    # Op index of each step / message / reduction, for dependencies.
+    step_op = np.full((2, n, k), -1, np.int64)
+    is_step = kind <= B
+    step_op[kind[is_step], ev_chunk[is_step], ev_mb[is_step]] = op[is_step]
+    # A step's inputs arrive by sends that occupy its device's stream before it,
+    # so (costs being equal on a send's two resources) issue order implies them;
+    # only the data-parallel ops on stream 1 need explicit dependencies.
+    deps = np.full((num_ops, 1), -1, np.int64)
+    red = kind == REDUCE
+    deps[red, 0] = step_op[1, ev_chunk[red], k - 1]
+    if mode.startswith("overlap"):  # the last reduction on a stream implies the earlier ones
+        last_reduce = np.full(p, -1, np.int64)
+        np.maximum.at(last_reduce, ev_stage[red], op[red])
+        upd = kind == UPDATE
+        deps[upd, 0] = last_reduce[ev_stage[upd]]
+    gat = kind == GATHER
+    if gat.any():
+        update_op = np.full(p, -1, np.int64)
+        update_op[ev_stage[kind == UPDATE]] = op[kind == UPDATE]
+        deps[gat, 0] = update_op[ev_stage[gat]]
+    dep_slot, out_slot, num_slots = _finish_slots(deps)
+    stage = np.stack([ev_stage, ev_stage2], axis=1)
+    return PipelineTemplate(
+        p,
+        k,
+        v,
+        core["schedule"],
+        mode,
+        kind.astype(np.int8),
+        ev_chunk,
+        ev_mb,
+        stage,
+        ev_stream,
+        dep_slot,
+        out_slot,
+        num_slots,
+    )
+
+
+def _finish_slots(deps):
+    """Finish-time slots: one per op whose finish another op reads (at most a
+    reduction per chunk and an update per stage, so no reuse is needed)."""
+    num_ops = deps.shape[0]
+    producer = np.unique(deps[deps >= 0])
+    out_slot = np.full(num_ops, NO_SLOT, np.int32)
+    out_slot[producer] = np.arange(len(producer))
+    dep_slot = np.where(deps >= 0, out_slot[np.maximum(deps, 0)], NO_SLOT).astype(np.int32)
+    return dep_slot, out_slot, max(1, len(producer))

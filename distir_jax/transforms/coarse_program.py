@@ -1,0 +1,359 @@
+"""Filling a :class:`PipelineTemplate` with one configuration's numbers.
+
+:func:`coarse_pipeline_program` is the entry point (see :mod:`coarse_pipeline`
+for what the ops are); :func:`chunk_tables` and :func:`realize` are its two
+halves, exposed for sweeps that fill many configurations into one batch.
+Every per-op array is a gather from a small table (a row per chunk, stage or
+message kind), so filling a template costs a few vectorized passes over its
+ops.
+
+Memory, compared with the fine program the transforms build (tests check
+peaks within 5% on small models): forward stashes, backward frees and
+transients are the fine block's own events, chained through a chunk's
+blocks; messages, weights, optimizer state and gradients are exact. Not
+modelled: the brief extra copy while a later microbatch's gradients are
+added to the running sums (the first backward's peak rise is used for all),
+the separate output buffer of each data-parallel all-reduce, and ZeRO's
+all-gathered weights, which the fine IR keeps next to the old weights (its
+collectives never write in place) and which here overwrite them, as ZeRO
+implementations do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from distir_jax.cost import COST_FEATURES
+from distir_jax.ir.topology import Topology
+from distir_jax.lower import NO_DEVICE, NO_RESOURCE, Program
+from distir_jax.transforms.coarse_features import LayerFeatures
+from distir_jax.transforms.coarse_pipeline import PipelineTemplate, data_mode, pipeline_template
+
+__all__ = [
+    "ChunkTables",
+    "balanced_layers",
+    "chunk_tables",
+    "coarse_pipeline_program",
+    "realize",
+    "stage_devices",
+    "stage_peak_memory",
+]
+
+_F = len(COST_FEATURES)
+_VOLUME, _HOPS = COST_FEATURES.index("comm_volume"), COST_FEATURES.index("comm_hops")
+# Features that scale with the size of a ZeRO shard (launches do not).
+_SCALED = [COST_FEATURES.index(name) for name in ("flops", "mem_bytes", "linear_flops", "linear_bytes")]
+_EMBED, _BLOCK, _HEAD = range(3)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTables:
+    """One configuration's numbers for :func:`realize` (``S`` variants, ``n`` chunks, ``p`` stages).
+
+    Attributes:
+      cost: ``[S, 4n + 2p + 1, F]`` rows: forward of chunk ``c``, first
+        backward of ``c``, later backwards of ``c`` (which add to the gradient
+        sums), a message, reduction of ``c``, update of stage ``s``, gather of ``s``.
+      alloc, free: ``[S, 3n + p + 2, 2]`` bytes per resource slot, rows: forward
+        of ``c``, first backward of ``c``, later backwards of ``c``, a
+        message, update of ``s``, nothing.
+      resident: ``[S, p]`` bytes resident on each stage's device.
+    """
+
+    cost: np.ndarray
+    alloc: np.ndarray
+    free: np.ndarray
+    resident: np.ndarray
+
+
+def balanced_layers(features: LayerFeatures, num_chunks: int) -> np.ndarray:
+    """Blocks per chunk, balancing forward + backward flops as the pipeline transform does.
+
+    Blocks are identical, so instead of the transform's dynamic program this
+    fills blocks one at a time into the currently cheapest chunk (the
+    embedding weighs on the first chunk, the head on the last), which
+    minimizes both the costliest chunk and the sum of squares the transform
+    minimizes. Among equally cheap chunks the latest gets the block, as the
+    transform tends to choose: later 1F1B stages keep fewer microbatches in
+    flight, so this also keeps peak memory lower. (On ties the two may still
+    differ in which chunk gets a block.)
+    """
+    per_part = features.step_flops.sum(axis=1).mean(axis=-1)  # [3]: forward + backward, mean over variants
+    return _fill_blocks(
+        float(per_part[_EMBED]),
+        float(per_part[_BLOCK]),
+        float(per_part[_HEAD]),
+        features.model.num_layers,
+        int(num_chunks),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _fill_blocks(embed: float, block: float, head: float, num_blocks: int, num_chunks: int) -> np.ndarray:
+    if not 1 <= num_chunks <= num_blocks:
+        raise ValueError(f"cannot cut {num_blocks} blocks into {num_chunks} chunks of at least one block")
+    cost = np.full(num_chunks, block)
+    cost[0] += embed
+    cost[-1] += head
+    layers = np.ones(num_chunks, np.int64)
+    for _ in range(num_blocks - num_chunks):
+        c = num_chunks - 1 - int(np.argmin(cost[::-1]))  # the latest of the cheapest
+        layers[c] += 1
+        cost[c] += block
+    layers.setflags(write=False)
+    return layers
+
+
+def _chain(first, second):
+    """Two passes one after the other: ``(peak rise, net bytes)``."""
+    return np.maximum(first[0], first[1] + second[0]), first[1] + second[1]
+
+
+def chunk_tables(
+    features: LayerFeatures,
+    layers_per_chunk: Sequence[int],
+    pipeline: int,
+    microbatches: int,
+    *,
+    data: int = 1,
+    zero: bool = False,
+    mode: str = "none",
+) -> ChunkTables:
+    """The tables of one configuration, for all of ``features``' size variants.
+
+    Args:
+      features: the model's part features.
+      layers_per_chunk: blocks of each of the ``n = p * v`` chunks.
+      pipeline, microbatches: ``p`` and ``k`` (``k`` only sizes the resident
+        token and label inputs).
+      data, zero, mode: data-parallel degree, ZeRO, and :func:`data_mode`.
+
+    Returns:
+      A :class:`ChunkTables` with a leading ``S`` axis.
+    """
+    p, k = int(pipeline), int(microbatches)
+    layers = np.asarray(layers_per_chunk, np.int64)
+    n = len(layers)
+    shard = data if zero else 1
+    first, last = np.arange(n) == 0, np.arange(n) == n - 1
+    coef = np.stack([first, layers, last], axis=1).astype(np.float64)  # [n, 3] parts per chunk
+    stage_coef = np.zeros((p, 3))
+    np.add.at(stage_coef, np.arange(n) % p, coef)
+    s = features.num_variants
+    # Costs.
+    step = features.step  # [3, 2, S, F]
+    forward = np.einsum("cq,qsf->scf", coef, step[:, 0])
+    backward = np.einsum("cq,qsf->scf", coef, step[:, 1])
+    message = np.zeros((s, 1, _F))
+    message[:, 0, _VOLUME] = features.message_bytes
+    message[:, 0, _HOPS] = 1.0
+    reduce_parts, gather_parts = features.data_parallel(data, zero)
+    adam = features.optimizer.copy()
+    adam[:, _SCALED] /= shard
+    update_parts = adam + (reduce_parts + gather_parts if mode == "sync" else 0.0)
+    accumulate = coef @ features.accumulate  # [n, F]: later microbatches add to the running sums
+    rows = [
+        forward,
+        backward,
+        backward + accumulate[None],
+        message,
+        np.broadcast_to(coef @ reduce_parts, (s, n, _F)),
+        np.broadcast_to(stage_coef @ update_parts, (s, p, _F)),
+        np.broadcast_to(stage_coef @ gather_parts, (s, p, _F)),
+    ]
+    cost = np.concatenate(rows, axis=1)
+    # Memory: chain the parts' (peak rise, net) through each chunk.
+    rise, net = features.peak_rise, features.net_bytes  # [3, 2, S]
+    grads = features.param_bytes  # [3]
+    absent = (np.zeros((n, s)), np.zeros((n, s)))
+
+    def part(q, d, present, minus_grads=False):
+        a = np.where(present[:, None], rise[q, d][None, :], 0.0)
+        b = np.where(present[:, None], net[q, d][None, :] - (grads[q] if minus_grads else 0.0), 0.0)
+        return a, b
+
+    def blocks(d, minus_grads=False):
+        per = net[_BLOCK, d][None, :] - (grads[_BLOCK] if minus_grads else 0.0)
+        count = layers[:, None].astype(np.float64)
+        return rise[_BLOCK, d][None, :] + np.maximum(0.0, (count - 1) * per), count * per
+
+    fwd = _chain(_chain(_chain(absent, part(_EMBED, 0, first)), blocks(0)), part(_HEAD, 0, last))
+    bwd = [
+        _chain(_chain(part(_HEAD, 1, last, later), blocks(1, later)), part(_EMBED, 1, first, later))
+        for later in (False, True)
+    ]
+    stage_grads = stage_coef @ grads  # [p]
+    alloc = np.zeros((s, 3 * n + p + 2, 2))
+    free = np.zeros_like(alloc)
+    for i, (a, b) in enumerate([fwd, bwd[0], bwd[1]]):
+        alloc[:, i * n : (i + 1) * n, 0] = a.T
+        free[:, i * n : (i + 1) * n, 0] = (a - b).T
+    free[:, 3 * n, 0] = features.message_bytes  # the sender's copy goes
+    alloc[:, 3 * n, 1] = features.message_bytes  # the receiver's arrives
+    free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = stage_grads
+    params = stage_coef @ features.param_bytes
+    state = stage_coef @ features.state_bytes
+    resident = params + state / shard + (params / shard if zero and data > 1 else 0.0)
+    data_inputs = k * features.data_bytes  # [S]
+    resident = np.broadcast_to(resident, (s, p)).copy()
+    resident[:, 0] += data_inputs  # tokens, on the first chunk's stage
+    resident[:, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
+    return ChunkTables(cost, alloc, free, resident)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_devices(topology: Topology, pipeline: int, tensor: int, data: int):
+    """Device and links of each stage's representative: ``(device [p], tp_link [p, 2], dp_link [p, 2])``."""
+    p, t, d = pipeline, tensor, data
+    if p * t * d > topology.num_devices:
+        raise ValueError(
+            f"pipeline x tensor x data = {p} x {t} x {d} needs {p * t * d} devices; "
+            f"topology {topology.name!r} has {topology.num_devices}"
+        )
+    device = np.arange(p) * t
+    tp = np.asarray([topology.bottleneck_link(list(range(s * t, s * t + t))) for s in range(p)], np.int32)
+    dp = np.asarray(
+        [topology.bottleneck_link([r * p * t + s * t for r in range(d)]) for s in range(p)], np.int32
+    )
+    return device.astype(np.int32), tp.reshape(p, 2), dp.reshape(p, 2)
+
+
+def realize(
+    template: PipelineTemplate,
+    tables: ChunkTables,
+    topology: Topology,
+    tensor: int,
+    data: int,
+    num_streams: int | None = None,
+) -> Program:
+    """The Program of a template filled with ``tables``.
+
+    Args:
+      template: the structure (:func:`pipeline_template`).
+      tables: the configuration's numbers (:func:`chunk_tables`).
+      topology: the cluster; stage ``s`` runs on device ``s * tensor`` and
+        collectives take their groups' slowest links.
+      tensor, data: the tensor- and data-parallel degrees.
+      num_streams: streams per device (at least the template's).
+
+    Returns:
+      A Program whose features and memory carry ``S`` size variants.
+    """
+    p = template.pipeline
+    streams = template.num_streams if num_streams is None else int(num_streams)
+    if streams < template.num_streams:
+        raise ValueError(f"num_streams={streams}, but mode {template.mode!r} uses stream 1")
+    device, tp_link, dp_link = stage_devices(topology, p, int(tensor), int(data))
+    cost_row, memory_row = template.rows
+    stage = template.stage
+    used = stage >= 0
+    slot_device = np.where(used, device[np.maximum(stage, 0)], NO_DEVICE).astype(np.int32)
+    stream = np.stack([template.stream, np.zeros_like(template.stream)], axis=1)
+    resource = np.where(used, slot_device * streams + stream, NO_RESOURCE).astype(np.int32)
+    first = np.maximum(stage[:, 0], 0)
+    links = np.stack(
+        [  # by template.link_kind: own device, TP group, send, DP group
+            np.stack([slot_device[:, 0], slot_device[:, 0]], axis=1),
+            tp_link[first],
+            slot_device,
+            dp_link[first],
+        ]
+    )
+    link_kind = template.link_kind
+    link = links[link_kind, np.arange(len(link_kind))].astype(np.int32)
+    cost = tables.cost[:, cost_row]  # [S, N, F]
+    alloc = tables.alloc[:, memory_row]  # [S, N, 2]
+    free = tables.free[:, memory_row]
+    num_devices = topology.num_devices
+    resident = np.zeros((tables.resident.shape[0], num_devices))
+    resident[:, device] = tables.resident
+    peak = np.zeros_like(resident)
+    peak[:, device] = stage_peak_memory(template, alloc, free, tables.resident)
+    is_comm = (link_kind >= 2) | ((link_kind == 1) & (tensor > 1))
+    return Program(
+        resource=resource,
+        slot_device=slot_device,
+        dep_slot=template.dep_slot,
+        out_slot=template.out_slot,
+        link=link,
+        is_comm=is_comm,
+        resource_device=np.repeat(np.arange(num_devices, dtype=np.int32), streams),
+        num_ops=np.asarray(template.num_ops, np.int32),
+        alloc_bytes=alloc,
+        free_bytes=free,
+        resident_bytes=resident,
+        peak_bytes=peak,
+        num_finish_slots=template.num_slots,
+        **{name: cost[..., i] for i, name in enumerate(COST_FEATURES)},
+    )
+
+
+def stage_peak_memory(template: PipelineTemplate, alloc, free, resident) -> np.ndarray:
+    """Peak bytes of each stage's device, ``[S, p]``: :func:`~distir_jax.lower.peak_memory`'s
+    program-order rule, with the events sorted by stage once per template."""
+    perm, event_stage = template.stage_events
+    stages, starts = np.unique(event_stage, return_index=True)
+    s = alloc.shape[0]
+    a = alloc.reshape(s, -1)[:, perm]
+    delta = a - free.reshape(s, -1)[:, perm]
+    running = np.cumsum(delta, axis=1) - delta
+    base = running[:, starts]
+    segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, perm.shape[0])))
+    rise = np.maximum.reduceat(running - base[:, segment] + a, starts, axis=1)
+    peak = np.array(resident, np.float64, copy=True)
+    peak[:, stages] = np.maximum(peak[:, stages], resident[:, stages] + rise)
+    return peak
+
+
+def coarse_pipeline_program(
+    features: LayerFeatures,
+    topology: Topology,
+    *,
+    pipeline: int,
+    microbatches: int,
+    data: int = 1,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+    zero: bool = False,
+    overlap: bool = False,
+    layers_per_chunk: Sequence[int] | None = None,
+    step_costs=None,
+    num_streams: int | None = None,
+) -> Program:
+    """The coarse Program of one hybrid-parallel training step.
+
+    Args:
+      features: the model's part features (tensor degree, recompute policy,
+        hardware); every one of its ``S`` microbatch sizes becomes a size
+        variant of the result.
+      topology: the cluster; at least ``data * tensor * pipeline`` devices.
+      pipeline, microbatches, virtual_stages, schedule: the pipeline.
+      data: data-parallel replicas; ``zero`` shards optimizer state,
+        ``overlap`` reduces each chunk's gradients on stream 1.
+      layers_per_chunk: blocks of each of the ``p * v`` chunks; default
+        balanced like the pipeline transform.
+      step_costs: ``None`` for the fast issue order, or ``[p * v, 2]``
+        estimates for the transform's order (see :func:`pipeline_template`).
+      num_streams: streams per device (at least the mode's).
+
+    Returns:
+      A Program with features ``[S, N]`` (``N ~ 4 k v p``).
+    """
+    p, v = int(pipeline), int(virtual_stages)
+    n = p * v
+    if layers_per_chunk is None:
+        layers_per_chunk = balanced_layers(features, n)
+    layers = np.asarray(layers_per_chunk, np.int64)
+    if layers.shape != (n,) or layers.min() < 1 or layers.sum() != features.model.num_layers:
+        raise ValueError(
+            f"layers_per_chunk must give each of the {n} chunks >= 1 of the model's "
+            f"{features.model.num_layers} blocks, got {list(layers)}"
+        )
+    mode = data_mode(int(data), bool(overlap), bool(zero))
+    template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs)
+    tables = chunk_tables(features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode)
+    return realize(template, tables, topology, features.tensor, int(data), num_streams)

@@ -1,0 +1,251 @@
+"""Pipeline schedules and issue orders as NumPy arrays, for coarse pipeline programs.
+
+:mod:`~distir_jax.transforms.schedules` builds schedules as Python objects,
+one :class:`Step` at a time; a sweep over GPT-3 175B needs hundreds of
+schedules with up to ~10^5 steps each, so this module computes the same
+schedules with array arithmetic (tests check they are equal) and a global
+issue order without a Python loop over steps:
+
+* :func:`schedule_arrays`: ``[p, M]`` chunk, microbatch and direction of each
+  device's steps, ``M = 2 k v``.
+* :func:`estimated_times`: start and finish of every step when devices run
+  their steps in order and wait for the steps they depend on (as
+  :func:`~distir_jax.transforms.schedules.schedule_times`), by relaxation:
+  with the cross-device inputs fixed, a device's finish times are a prefix
+  maximum, ``finish_i = C_i + max_{j <= i} max(0, ext_j - C_{j-1})`` with
+  ``C`` the running sum of its costs; repeating until nothing changes takes
+  one pass per device hop of the longest dependency path.
+* :func:`message_times`: when each message is issued, by the rule of
+  :func:`~distir_jax.transforms.schedules.global_issue_order` (the time
+  between its producer's finish and its consumer's start where both devices
+  come free closest together), for all messages at once. Sorting steps by
+  estimated start and messages by these times gives that function's order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["estimated_times", "message_times", "schedule_arrays"]
+
+
+def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
+    """The steps of a named schedule, device by device.
+
+    Args:
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+      p, k, v: pipeline devices, microbatches, chunks per device.
+
+    Returns:
+      ``(chunk, microbatch, backward)``, each ``[p, 2 k v]``: device ``s``'s
+      steps in order; ``backward`` is True for a backward pass.
+
+    Raises:
+      ValueError: for an unknown schedule, ``v > 1`` without ``"interleaved"``,
+        or the interleaved schedule with ``k`` not a multiple of ``p``.
+    """
+    for name, value in (("degree", p), ("microbatches", k), ("virtual_stages", v)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise ValueError(f"unknown schedule={schedule!r}; valid names: gpipe, 1f1b, interleaved")
+    if schedule != "interleaved" and v != 1:
+        raise ValueError(f"schedule={schedule!r} runs one chunk per device, got virtual_stages={v}")
+    if schedule == "interleaved" and k % p:
+        raise ValueError(
+            f"the interleaved schedule needs microbatches to be a multiple of degree, got {k} and {p}"
+        )
+    rows = []
+    for s in range(p):
+        if schedule == "gpipe":
+            mb = np.concatenate([np.arange(k), np.arange(k)])
+            backward = np.repeat([False, True], k)
+            chunk = np.full(2 * k, s)
+        elif schedule == "1f1b":
+            chunk, mb, backward = _one_f_one_b(s, p, k)
+        else:
+            chunk, mb, backward = _interleaved(s, p, k, v)
+        rows.append((chunk, mb, backward))
+    return tuple(
+        np.stack([r[i] for r in rows]).astype(dtype) for i, dtype in enumerate((np.int64, np.int64, bool))
+    )
+
+
+def _interleave(forward: np.ndarray, backward: np.ndarray, warm: int, backward_first: bool):
+    """Warm-up forwards, then alternating pairs, then the remaining backwards."""
+    total = len(forward)
+    steady = total - warm
+    pair = [backward[:steady], forward[warm:]] if backward_first else [forward[warm:], backward[:steady]]
+    flags = [True, False] if backward_first else [False, True]
+    order = np.concatenate([forward[:warm], np.stack(pair, axis=1).reshape(-1), backward[steady:]])
+    is_backward = np.concatenate(
+        [np.zeros(warm, bool), np.tile(flags, steady), np.ones(total - steady, bool)]
+    )
+    return order, is_backward
+
+
+def _one_f_one_b(s: int, p: int, k: int):
+    warm = min(p - s, k)
+    mb, backward = _interleave(np.arange(k), np.arange(k), warm, backward_first=True)
+    return np.full(2 * k, s), mb, backward
+
+
+def _interleaved(s: int, p: int, k: int, v: int):
+    total = k * v
+    i = np.arange(total)
+    group, j = np.divmod(i, p * v)
+    local = j // p
+    microbatch = group * p + j % p
+    forward_chunk = local * p + s
+    backward_chunk = (v - 1 - local) * p + s
+    warm = min(2 * (p - s - 1) + (v - 1) * p, total)
+    index, backward = _interleave(i, i, warm, backward_first=False)
+    chunk = np.where(backward, backward_chunk[index], forward_chunk[index])
+    return chunk, microbatch[index], backward
+
+
+def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
+    """Start and finish of every step when each device runs its steps in order.
+
+    A forward waits for the previous chunk's forward of its microbatch, a
+    backward for the next chunk's backward (its own forward runs earlier on
+    the same device); messages take no time. With integer costs the sums are
+    exact and the times equal :func:`~distir_jax.transforms.schedules.schedule_times`'
+    bit for bit; otherwise they may differ in the last bits (other summation order).
+
+    Args:
+      chunk, microbatch, backward: ``[p, M]`` from :func:`schedule_arrays`.
+      num_chunks: ``p * v``.
+      cost: ``[p, M]`` positive seconds (or units) per step.
+
+    Returns:
+      ``(start, finish)``, each ``[p, M]``.
+
+    Raises:
+      ValueError: when the order deadlocks (no fixed point is reached).
+    """
+    p, m = chunk.shape
+    k = int(microbatch.max()) + 1
+    flat = np.arange(p * m).reshape(p, m)
+    position = np.full((2, num_chunks, k), -1, np.int64)
+    position[backward.astype(np.int64), chunk, microbatch] = flat
+    dep = np.full((p, m), -1, np.int64)
+    fwd_dep = ~backward & (chunk > 0)
+    dep[fwd_dep] = position[0, chunk[fwd_dep] - 1, microbatch[fwd_dep]]
+    bwd_dep = backward & (chunk < num_chunks - 1)
+    dep[bwd_dep] = position[1, chunk[bwd_dep] + 1, microbatch[bwd_dep]]
+    has_dep = dep >= 0
+    dep_index = np.maximum(dep, 0)
+    total = np.cumsum(cost, axis=1)
+    before = total - cost
+    finish = total.copy()
+    for _ in range(2 * p * m + 2):
+        ext = np.where(has_dep, finish.reshape(-1)[dep_index], 0.0)
+        new = total + np.maximum.accumulate(np.maximum(ext - before, 0.0), axis=1)
+        if np.array_equal(new, finish):
+            return finish - cost, finish
+        finish = new
+    raise ValueError("the schedule deadlocks: estimated step times do not converge")
+
+
+def message_times(start, finish, producer, consumer):
+    """Issue time of each message, as :func:`~distir_jax.transforms.schedules.global_issue_order` picks it.
+
+    A message is a barrier of its two devices; it goes at the candidate time
+    ``tau`` in ``[producer finish, consumer start]`` (those two, and the step
+    starts and ends of either device in between) that minimizes ``(|fa - fb|,
+    max(fa, fb), tau)``, where ``fx`` is when device ``x`` finishes the step it
+    runs at ``tau``.
+
+    Args:
+      start, finish: ``[p, M]`` estimated step times, each row ascending,
+        with positive durations.
+      producer, consumer: ``[X]`` flat step indices (``device * M + i``).
+
+    Returns:
+      ``[X]`` issue times.
+    """
+    p, m = start.shape
+    lo, hi = finish.reshape(-1)[producer], start.reshape(-1)[consumer]
+    out = lo.copy()  # a message its consumer takes at once has one candidate
+    wait = np.flatnonzero(hi > lo)
+    if wait.size:
+        out[wait] = _barrier_times(start, finish, producer[wait], consumer[wait], lo[wait], hi[wait])
+    return out
+
+
+def _barrier_times(start, finish, producer, consumer, lo, hi):
+    m = start.shape[1]
+    a, i_a = np.divmod(producer, m)
+    b, i_b = np.divmod(consumer, m)
+    order_a, order_b = np.argsort(a, kind="stable"), np.argsort(b, kind="stable")
+    # Steps of the sender after its producer start at >= lo, and steps of the
+    # receiver before its consumer end at <= hi, so only the far ends need a search.
+    ranges = [
+        (a, start, i_a + 1, row_searchsorted(start, a, hi, "right", order_a)),
+        (a, finish, i_a, row_searchsorted(finish, a, hi, "right", order_a)),
+        (b, start, row_searchsorted(start, b, lo, "left", order_b), i_b + 1),
+        (b, finish, row_searchsorted(finish, b, lo, "left", order_b), i_b),
+    ]
+    # A candidate that is one device's own step boundary finds that device free
+    # (it is not inside a step), so only the other device needs a search.
+    owners, taus, own = [np.arange(len(lo)), np.arange(len(lo))], [lo, hi], [0, 1]
+    for side, (device, table, first, last) in enumerate(ranges):
+        count = np.maximum(last - first, 0)
+        owner = np.repeat(np.arange(len(lo)), count)
+        offset = np.arange(owner.shape[0]) - np.repeat(np.cumsum(count) - count, count)
+        owners.append(owner)
+        taus.append(table.reshape(-1)[device[owner] * m + first[owner] + offset])
+        own.append(0 if side < 2 else 1)
+    owner = np.concatenate(owners)
+    is_b = np.concatenate([np.full(len(o), w, bool) for o, w in zip(owners, own, strict=True)])
+    by_owner = np.argsort(owner, kind="stable")
+    owner, tau, is_b = owner[by_owner], np.concatenate(taus)[by_owner], is_b[by_owner]
+    other = np.where(is_b, a[owner], b[owner])
+    free_other = _free_at(start, finish, other, tau)
+    fa = np.where(is_b, free_other, tau)
+    fb = np.where(is_b, tau, free_other)
+    starts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))
+    # Lexicographic minimum per message, one key at a time.
+    best = np.ones(len(tau), bool)
+    for key in (np.abs(fa - fb), np.maximum(fa, fb), tau):
+        key = np.where(best, key, np.inf)
+        best &= key == np.repeat(np.minimum.reduceat(key, starts), np.diff(np.append(starts, len(key))))
+    return np.minimum.reduceat(np.where(best, tau, np.inf), starts)
+
+
+def row_searchsorted(table, row, values, side: str, order=None):
+    """``np.searchsorted(table[row[i]], values[i], side)`` for every ``i``.
+
+    With integer times (unit step costs), one search over all rows at once,
+    each row offset by a power of two above its largest time (exact in
+    float64); otherwise one search per row. ``order`` may pass
+    ``np.argsort(row, kind="stable")`` when it is already known.
+    """
+    top = float(table[:, -1].max()) if table.size else 0.0
+    offset = 2.0 ** np.ceil(np.log2(top + 2.0))
+    if offset * table.shape[0] < 2.0**52 and _integral(table) and _integral(values):
+        keys = (table + offset * np.arange(table.shape[0])[:, None]).reshape(-1)
+        found = np.searchsorted(keys, values + offset * row, side=side)
+        return found - row * table.shape[1]
+    out = np.empty(len(values), np.int64)
+    order = np.argsort(row, kind="stable") if order is None else order
+    bounds = np.searchsorted(row[order], np.arange(table.shape[0] + 1))
+    for r in range(table.shape[0]):
+        idx = order[bounds[r] : bounds[r + 1]]
+        if idx.size:
+            out[idx] = np.searchsorted(table[r], values[idx], side=side)
+    return out
+
+
+def _free_at(start, finish, device, tau):
+    """When ``device`` can join a barrier at ``tau``: the end of the step it runs then, or ``tau``."""
+    m = start.shape[1]
+    index = row_searchsorted(start, device, tau, "left") - 1
+    end = finish.reshape(-1)[device * m + np.maximum(index, 0)]
+    return np.where((index >= 0) & (end > tau), end, tau)
+
+
+def _integral(x) -> bool:
+    x = np.asarray(x)
+    return bool(np.all(x == np.floor(x)))
