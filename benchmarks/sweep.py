@@ -11,7 +11,7 @@ timed on a random sample of valid configurations and extrapolated to all of
 them (invalid ones cost the loop nothing: it skips them after validation).
 
 Part (b), GPT-3 175B configurations per second: see
-:func:`gpt3_configs_per_second` (to be written).
+:func:`gpt3_configs_per_second` (in sweep_gpt3.py).
 
     python benchmarks/sweep.py            # the full grid
     python benchmarks/sweep.py --quick    # mlp-xs only, 10 loop samples (< 60 s)
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
+import sys
 import time
 
 import jax
@@ -102,19 +102,16 @@ def part_a(quick: bool, loop_samples: int) -> float:
 
 
 # --------------------------------------------------------------------------- #
-# Part (b): GPT-3 175B configurations per second.
-#
-# TODO(part b): another contributor adds the measurement here. Contract: return
-# configurations per second of an end-to-end sweep of GPT-3 175B strategies
-# (finishing within the --quick budget left after part (a), ~30 s), and print
-# its own lines above the summary. Until then it reports nan.
+# Part (b): GPT-3 175B configurations per second (benchmarks/sweep_gpt3.py,
+# coarse pipeline programs built directly as arrays).
 
 
 def gpt3_configs_per_second(quick: bool) -> float:
-    """Part (b): configurations/second of a GPT-3 175B sweep; ``nan`` until it is written."""
-    del quick
-    print("part (b): GPT-3 175B configurations/s: not measured yet")
-    return math.nan
+    """Part (b): end-to-end configurations/second of the GPT-3 175B sweep."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sweep_gpt3 import gpt3_configs_per_second as measure
+
+    return float(measure(quick)["configs_per_second"])
 
 
 # --------------------------------------------------------------------------- #
