@@ -162,11 +162,7 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
         link[i] = topology.bottleneck_link(op.comm_group)
         for name, value in f.cost_features().items():
             features[name].append(value)
-    dep_lists, out_slot, num_slots = _finish_slots(fn, resource)
-    p = max([1] + [len(d) for d in dep_lists])
-    dep_slot = np.full((n, p), NO_SLOT, np.int32)
-    for i, deps in enumerate(dep_lists):
-        dep_slot[i, : len(deps)] = deps
+    dep_slot, out_slot, num_slots = _finish_slots(fn, resource)
     alloc, free, resident = _memory_events(fn, op_devices, k, num_devices)
     resource_device = np.repeat(np.arange(num_devices, dtype=np.int32), streams)
     stacked = {name: _stack_variants(values) for name, values in features.items()}
@@ -227,14 +223,12 @@ def _finish_slots(fn: Function, resource: np.ndarray):
     A dependency on a single-resource op that ran on one of the consumer's own
     resources is implied by issue order there (that resource's clock is at
     least the producer's finish), so it is dropped. The remaining producers get
-    a finish-time slot, reused once its last reader has run (linear-scan
-    allocation), which keeps V, and the kernel's carry, small.
+    a finish-time slot (:func:`allocate_finish_slots`), which keeps V, and the
+    kernel's carry, small.
     """
     producer = fn.producers()
-    n = len(fn.ops)
     single = [(int(r[0]) if (r != NO_RESOURCE).sum() == 1 else None) for r in resource]
     deps: list[list[int]] = []
-    last_reader: dict[int, int] = {}
     for i, op in enumerate(fn.ops):
         mine = set(int(x) for x in resource[i] if x != NO_RESOURCE)
         needed = []
@@ -243,28 +237,46 @@ def _finish_slots(fn: Function, resource: np.ndarray):
             if j is None or j in needed or (single[j] is not None and single[j] in mine):
                 continue
             needed.append(j)
-            last_reader[j] = i
         deps.append(needed)
-    out_slot = np.full(n, NO_SLOT, np.int32)
-    slot_of: dict[int, int] = {}
-    free_slots: list[int] = []
+    return allocate_finish_slots(deps)
+
+
+def allocate_finish_slots(deps: Sequence[Sequence[int]]):
+    """Finish-time slots by linear scan: a slot is reused once its last reader ran.
+
+    Args:
+      deps: per op, the earlier ops whose finish it reads.
+
+    Returns:
+      ``(dep_slot [N, P], out_slot [N], num_slots)``.
+    """
+    n = len(deps)
+    last_reader: dict[int, int] = {}
+    for i, ds in enumerate(deps):
+        for j in ds:
+            last_reader[j] = i
     expiring: dict[int, list[int]] = {}
     for j, i in last_reader.items():
         expiring.setdefault(i, []).append(j)
+    width = max([1] + [len(d) for d in deps])
+    dep_slot = np.full((n, width), NO_SLOT, np.int32)
+    out_slot = np.full(n, NO_SLOT, np.int32)
+    slot_of: dict[int, int] = {}
+    free: list[int] = []
     num_slots = 0
-    dep_slots = []
     for i in range(n):
-        dep_slots.append([slot_of[j] for j in deps[i]])
+        dep_slot[i, : len(deps[i])] = [slot_of[j] for j in deps[i]]
         for j in expiring.get(i, ()):  # readers read before the op writes
-            free_slots.append(slot_of[j])
+            free.append(slot_of[j])
         if i in last_reader:
-            if free_slots:
-                slot = free_slots.pop()
+            if free:
+                slot = free.pop()
             else:
                 slot, num_slots = num_slots, num_slots + 1
             slot_of[i] = slot
             out_slot[i] = slot
-    return dep_slots, out_slot, max(num_slots, 1)
+    return dep_slot, out_slot, max(num_slots, 1)
+
 
 
 def _memory_events(fn: Function, op_devices, k: int, num_devices: int):

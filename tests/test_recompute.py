@@ -15,6 +15,7 @@ from distir_jax.ir.parser import parse_function
 from distir_jax.ir.printer import print_function
 from distir_jax.lower import lower
 from distir_jax.models import MLPConfig, TransformerConfig
+from distir_jax.testing.inputs import random_inputs
 from distir_jax.transforms.pipeline import pipeline_parallel
 from distir_jax.transforms.recompute import RECOMPUTE_POLICIES, recompute
 
@@ -26,22 +27,6 @@ CONFIGS = {"mlp": MLP, "gpt": GPT}
 @functools.cache
 def training_step(model: str, optimizer: str = "sgd", batch: int = 8) -> Function:
     return models.build_training_step(CONFIGS[model], batch, optimizer=optimizer, lr=0.1)
-
-
-def random_inputs(fn, seed=0):
-    rng = np.random.default_rng(seed)
-    values = {}
-    for v in fn.inputs:
-        shape = tuple(int(d) for d in v.type.shape)
-        if v.type.dtype in ("i32", "i64"):
-            values[v.name] = rng.integers(0, GPT.vocab_size, size=shape)
-        elif v.name.endswith(".gamma"):
-            values[v.name] = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif v.name.endswith(".v"):
-            values[v.name] = rng.uniform(0.0, 0.1, size=shape)
-        else:
-            values[v.name] = 0.5 * rng.standard_normal(shape)
-    return values
 
 
 def assert_equivalent(dist, fn):

@@ -40,7 +40,7 @@ import numpy as np
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.function import Function
 from distir_jax.ir.topology import Topology
-from distir_jax.lower import NO_SLOT, Program, lower, peak_memory
+from distir_jax.lower import NO_SLOT, Program, allocate_finish_slots, lower, peak_memory
 from distir_jax.transforms.base import Distributed
 
 __all__ = ["allocate_finish_slots", "coarsen", "fuse_groups", "prune_implied"]
@@ -223,42 +223,6 @@ def prune_implied(deps: Sequence[Sequence[int]], resources: Sequence[Sequence[in
         kept.append(sorted(set(others) | set(last.values())))
     return kept
 
-
-def allocate_finish_slots(deps: Sequence[Sequence[int]]):
-    """Finish-time slots by linear scan: a slot is reused once its last reader ran.
-
-    Args:
-      deps: per op, the earlier ops whose finish it reads.
-
-    Returns:
-      ``(dep_slot [N, P], out_slot [N], num_slots)``.
-    """
-    n = len(deps)
-    last_reader: dict[int, int] = {}
-    for i, ds in enumerate(deps):
-        for j in ds:
-            last_reader[j] = i
-    expiring: dict[int, list[int]] = {}
-    for j, i in last_reader.items():
-        expiring.setdefault(i, []).append(j)
-    width = max([1] + [len(d) for d in deps])
-    dep_slot = np.full((n, width), NO_SLOT, np.int32)
-    out_slot = np.full(n, NO_SLOT, np.int32)
-    slot_of: dict[int, int] = {}
-    free: list[int] = []
-    num_slots = 0
-    for i in range(n):
-        dep_slot[i, : len(deps[i])] = [slot_of[j] for j in deps[i]]
-        for j in expiring.get(i, ()):  # readers read before the op writes
-            free.append(slot_of[j])
-        if i in last_reader:
-            if free:
-                slot = free.pop()
-            else:
-                slot, num_slots = num_slots, num_slots + 1
-            slot_of[i] = slot
-            out_slot[i] = slot
-    return dep_slot, out_slot, max(num_slots, 1)
 
 
 def _fused_program(program, topology, n, groups, order, member_group, dep_slot, out_slot, num_slots):
