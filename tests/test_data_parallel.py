@@ -14,6 +14,7 @@ from distir_jax.ir.parser import parse_function
 from distir_jax.ir.printer import print_function
 from distir_jax.lower import lower
 from distir_jax.models import MLPConfig, TransformerConfig
+from distir_jax.testing.inputs import random_inputs
 from distir_jax.transforms import Distributed, Recipe, data_parallel
 
 MLP = MLPConfig(num_layers=4, hidden=8, dtype="f64")
@@ -34,29 +35,12 @@ VARIANTS = {
 }
 
 
-def random_inputs(fn, vocab, seed=0):
-    """Small weights, LayerNorm gains near 1, non-negative second moments, ids in range."""
-    rng = np.random.default_rng(seed)
-    values = {}
-    for v in fn.inputs:
-        shape = tuple(int(d) for d in v.type.shape)
-        if v.type.dtype in ("i32", "i64"):
-            values[v.name] = rng.integers(0, vocab, size=shape)
-        elif v.name.endswith(".gamma"):
-            values[v.name] = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif v.name.endswith(".v"):
-            values[v.name] = rng.uniform(0.0, 0.1, size=shape)
-        else:
-            values[v.name] = 0.5 * rng.standard_normal(shape)
-    return values
-
-
 @functools.cache
 def case(model: str, optimizer: str):
     """``(program, inputs, outputs)`` of one training step, run by the sequential executor."""
     config = CONFIGS[model]
     fn = models.build_training_step(config, BATCH, optimizer=optimizer, lr=0.1)
-    inputs = random_inputs(fn, getattr(config, "vocab_size", None))
+    inputs = random_inputs(fn)
     return fn, inputs, execute(fn, inputs)
 
 
@@ -137,7 +121,7 @@ def test_maps_split_data_replicate_weights_and_sum_losses():
 @pytest.mark.parametrize("config", [MLP, GPT], ids=["mlp", "gpt"])
 def test_inference_outputs_are_concatenated_along_the_batch(config):
     fn = models.build_inference(config, BATCH)
-    inputs = random_inputs(fn, getattr(config, "vocab_size", None))
+    inputs = random_inputs(fn)
     dist = data_parallel(fn, 4)
     (output,) = fn.outputs
     assert dist.outputs[output.name].kind == "concat"

@@ -17,28 +17,12 @@ from distir_jax.models import (
     optimizer_ops,
     weight_names,
 )
+from distir_jax.testing.inputs import random_inputs
 
 TINY_MLP = MLPConfig(num_layers=3, hidden=5, dtype="f64")
 TINY_GPT = TransformerConfig(num_layers=2, hidden=8, num_heads=2, vocab_size=11, seq_len=4, dtype="f64")
 BATCH = 3
 LR = 0.1
-
-
-def random_inputs(fn, seed=0, vocab=None):
-    """Random values for every input: small weights, LayerNorm gains near 1, ids in range."""
-    rng = np.random.default_rng(seed)
-    values = {}
-    for v in fn.inputs:
-        shape = tuple(int(d) for d in v.type.shape)
-        if v.type.dtype in ("i32", "i64"):
-            values[v.name] = rng.integers(0, vocab, size=shape)
-        elif v.name.endswith(".gamma"):
-            values[v.name] = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif v.name.endswith(".v"):  # Adam's second moment is non-negative
-            values[v.name] = rng.uniform(0.0, 0.1, size=shape)
-        else:
-            values[v.name] = 0.5 * rng.standard_normal(shape)
-    return values
 
 
 def builders(config):
@@ -70,7 +54,7 @@ def test_sgd_step_applies_the_finite_difference_gradient(config):
     train_builder, loss_builder = builders(config)
     train = train_builder(config, BATCH, optimizer="sgd", lr=LR)
     loss_fn = loss_builder(config, BATCH)
-    inputs = random_inputs(train, vocab=getattr(config, "vocab_size", None))
+    inputs = random_inputs(train)
     out = execute(train, inputs)
 
     loss_inputs = {v.name: inputs[v.name] for v in loss_fn.inputs}
@@ -86,7 +70,7 @@ def test_adam_first_step_matches_hand_written_adam(config):
     train_builder, _ = builders(config)
     sgd = train_builder(config, BATCH, optimizer="sgd", lr=LR)
     adam = train_builder(config, BATCH, optimizer="adam", lr=LR)
-    inputs = random_inputs(adam, seed=1, vocab=getattr(config, "vocab_size", None))
+    inputs = random_inputs(adam, seed=1)
     sgd_out = execute(sgd, {v.name: inputs[v.name] for v in sgd.inputs})
     out = execute(adam, inputs)
 
@@ -105,7 +89,7 @@ def test_adam_first_step_matches_hand_written_adam(config):
 def test_inference_matches_the_forward_of_the_training_step():
     infer = models.transformer_inference(TINY_GPT, BATCH)
     train = models.transformer_training_step(TINY_GPT, BATCH)
-    inputs = random_inputs(train, vocab=TINY_GPT.vocab_size)
+    inputs = random_inputs(train)
     logits = execute(infer, {v.name: inputs[v.name] for v in infer.inputs})["logits"]
     assert logits.shape == (BATCH, TINY_GPT.seq_len, TINY_GPT.vocab_size)
     every = execute(train, inputs, return_all=True)
@@ -121,7 +105,7 @@ def test_causal_model_ignores_future_tokens():
     # A check of the mask wiring independent of the gradients: changing the
     # last token must leave the logits of earlier positions unchanged.
     infer = models.transformer_inference(TINY_GPT, 1)
-    inputs = random_inputs(infer, vocab=TINY_GPT.vocab_size)
+    inputs = random_inputs(infer)
     changed = dict(inputs, tokens=inputs["tokens"].copy())
     changed["tokens"][0, -1] = (changed["tokens"][0, -1] + 1) % TINY_GPT.vocab_size
     a, b = execute(infer, inputs)["logits"], execute(infer, changed)["logits"]
