@@ -58,6 +58,7 @@ from distir_jax.transforms.coarse import (
     stage_devices,
     template_size,
 )
+from search._programs import choose_capacities
 
 MODEL = "gpt3-175b"
 PRESET = "dgx-a100-80gb:64"
@@ -67,7 +68,7 @@ RECOMPUTE = ("none", "attention", "full")
 _MAX_STAGES = 64
 _MAX_CHUNKS = 96
 _COST_ROWS = 4 * _MAX_CHUNKS + 2 * _MAX_STAGES + 2  # the last row stays zero (padding ops)
-_MEMORY_ROWS = 3 * _MAX_CHUNKS + _MAX_STAGES + 2
+_MEMORY_ROWS = 3 * _MAX_CHUNKS + _MAX_STAGES + 3
 # Most op-rows (ops x configurations) one kernel call holds: bounds its memory.
 _OP_ROWS_PER_CALL = 1 << 22
 _MAX_ROWS_PER_CALL = 1024
@@ -319,29 +320,10 @@ def _empty_rows(num_rows: int) -> dict:
 
 
 def _buckets(sizes) -> list[int]:
-    """Op capacities (multiples of 256) that minimize padded kernel work plus compiles.
-
-    Args:
-      sizes: the op count of every configuration to simulate.
-
-    Returns:
-      Ascending capacities; a configuration runs in the smallest one that holds it.
-    """
-    values, counts = np.unique(-(-np.asarray(sizes) // 256) * 256, return_counts=True)
-    below = np.concatenate([[0], np.cumsum(counts)])
-    best = np.full(len(values) + 1, np.inf)  # best[j]: cost of covering values[:j]
-    best[0] = 0.0
-    cut = np.zeros(len(values) + 1, np.int64)
-    for j in range(1, len(values) + 1):
-        i = np.arange(j)  # bucket values[i:j], padded to values[j - 1]
-        cost = best[i] + (below[j] - below[i]) * values[j - 1] * _SECONDS_PER_OP_ROW + _SECONDS_PER_COMPILE
-        cut[j] = int(np.argmin(cost))
-        best[j] = cost[cut[j]]
-    caps, j = [], len(values)
-    while j > 0:
-        caps.append(int(values[j - 1]))
-        j = cut[j]
-    return caps[::-1]
+    """Op capacities (multiples of 256) that minimize padded kernel work plus compiles."""
+    return choose_capacities(
+        sizes, seconds_per_op_row=_SECONDS_PER_OP_ROW, seconds_per_compile=_SECONDS_PER_COMPILE
+    )
 
 
 def _calls(ids, template_of, size_of, caps):

@@ -1,8 +1,8 @@
 """The ``distir-jax`` command: ``sweep`` a strategy space, or ``simulate`` one configuration.
 
-    distir-jax sweep                      # GPT-2 XL on 16 A100s: which strategy should I run?
+    distir-jax sweep                      # GPT-3 XL on 16 A100s: which strategy should I run?
     distir-jax sweep --model mlp-small --world-sizes 4,8 --batch-sizes 256 --top-k 5
-    distir-jax simulate --model gpt2-xl --data 4 --pipeline 4 --microbatches 8 --trace trace.json
+    distir-jax simulate --model gpt3-xl --data 4 --pipeline 4 --microbatches 8 --trace trace.json
 
 Usage errors print one line and exit with status 2.
 """
@@ -15,14 +15,17 @@ import sys
 import time
 from collections.abc import Sequence
 
-# The built-in sweep: GPT-2 XL training on two DGX A100 nodes.
+# The built-in sweep: GPT-3 XL (1.3B) training on two DGX A100 nodes, every
+# degree, schedule, recomputation and ZeRO choice (~1,200 strategies, seconds).
+# (GPT-2 XL's 25 heads would rule out every tensor-parallel degree on 16 GPUs.)
 DEFAULT_SWEEP = dict(
-    model="gpt2-xl",
+    model="gpt3-xl",
     world_sizes="16",
-    batch_sizes="64,256",
-    microbatches="2,4",
-    schedules="1f1b",
-    recompute="none,full",
+    batch_sizes="64,256,1024",
+    microbatches="2,4,8,16",
+    schedules="1f1b,interleaved",
+    recompute="none,attention,full",
+    zero="both",
     dtype="bf16",
     optimizer="adam",
     hardware="dgx-a100-80gb",
@@ -83,7 +86,7 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
             type=_names,
             metavar="NAME,...",
             default=_names(DEFAULT_SWEEP["model"]),
-            help=f"model preset(s), comma-separated, from: {names} (default: gpt2-xl)",
+            help=f"model preset(s), comma-separated, from: {names} (default: {DEFAULT_SWEEP['model']})",
         )
         p.add_argument(
             "--hardware",
@@ -108,7 +111,8 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
             help="optimizer(s): sgd, adam (default: adam)",
         )
     else:
-        p.add_argument("--model", default="gpt2-xl", help=f"model preset, from: {names} (default: gpt2-xl)")
+        model = DEFAULT_SWEEP["model"]
+        p.add_argument("--model", default=model, help=f"model preset, from: {names} (default: {model})")
         p.add_argument(
             "--hardware",
             default="dgx-a100-80gb",
@@ -135,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep",
         help="simulate every strategy of a space and rank them",
         description="Simulate every strategy of a space in batched kernel calls, print the best ones and "
-        "write one row per configuration to a results file. With no options: GPT-2 XL "
-        "training on 16 GPUs of 2 DGX A100 nodes, global batch 64 and 256.",
+        "write one row per configuration to a results file. With no options: GPT-3 XL "
+        "training on 16 GPUs of 2 DGX A100 nodes, global batch 64, 256 and 1024, every degree, "
+        "schedule, recomputation and ZeRO choice.",
     )
     _add_model_options(s, many=True)
     s.add_argument(
@@ -144,14 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ints,
         metavar="N,...",
         default=_ints(DEFAULT_SWEEP["world_sizes"]),
-        help="GPU counts, comma-separated (default: 16)",
+        help=f"GPU counts, comma-separated (default: {DEFAULT_SWEEP['world_sizes']})",
     )
     s.add_argument(
         "--batch-sizes",
         type=_ints,
         metavar="N,...",
         default=_ints(DEFAULT_SWEEP["batch_sizes"]),
-        help="global batch sizes (default: 64,256)",
+        help=f"global batch sizes (default: {DEFAULT_SWEEP['batch_sizes']})",
     )
     s.add_argument(
         "--data",
@@ -180,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ints,
         metavar="N,...",
         default=_ints(DEFAULT_SWEEP["microbatches"]),
-        help="microbatch counts for pipelines (default: 2,4); runs without a pipeline use 1",
+        help=f"microbatch counts for pipelines (default: {DEFAULT_SWEEP['microbatches']}); "
+        "runs without a pipeline use 1",
     )
     s.add_argument(
         "--microbatch-sizes",
@@ -194,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_names,
         metavar="NAME,...",
         default=_names(DEFAULT_SWEEP["schedules"]),
-        help="pipeline schedules: gpipe, 1f1b, interleaved (default: 1f1b)",
+        help=f"pipeline schedules: gpipe, 1f1b, interleaved (default: {DEFAULT_SWEEP['schedules']})",
     )
     s.add_argument(
         "--virtual-stages",
@@ -208,13 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_names,
         metavar="NAME,...",
         default=_names(DEFAULT_SWEEP["recompute"]),
-        help="activation recomputation: none, attention, full (default: none,full)",
+        help=f"activation recomputation: none, attention, full (default: {DEFAULT_SWEEP['recompute']})",
     )
     s.add_argument(
         "--zero",
         choices=tuple(_CHOICE),
-        default="no",
-        help="ZeRO-1 optimizer-state sharding: no, yes or both (default: no)",
+        default=DEFAULT_SWEEP["zero"],
+        help=f"ZeRO-1 optimizer-state sharding: no, yes or both (default: {DEFAULT_SWEEP['zero']})",
     )
     s.add_argument(
         "--sequence-parallel",
@@ -265,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=1.0,
         help="most estimated kernel memory per call, in GB (default: 1)",
+    )
+    s.add_argument(
+        "--engine",
+        default="fast",
+        choices=("fast", "exact"),
+        help="fast: coarse programs generated as arrays, the same numbers (tested against the "
+        "reference simulator) in milliseconds per strategy; rows it does not model (gradient "
+        "overlap, sequence parallelism) run exact. exact: build every program with the real "
+        "transforms (default: fast)",
     )
     s.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
@@ -370,6 +385,7 @@ def _sweep(args) -> int:
         max_configs_per_call=args.chunk_size,
         max_bytes=int(args.chunk_memory * 1e9),
         progress=not args.no_progress,
+        engine=args.engine,
     )
     elapsed = time.perf_counter() - start
     written = [args.output]
@@ -377,9 +393,13 @@ def _sweep(args) -> int:
         table.to_parquet(args.output[: -len(".csv")] + ".parquet")
         written.append(args.output[: -len(".csv")] + ".parquet")
     counts = {s: int((table["status"] == s).sum()) for s in ("ok", "out of memory", "invalid")}
+    engines = {e: int((table["engine"] == e).sum()) for e in ("fast", "exact")}
     print(
         f"{len(table)} configurations in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s): "
         + ", ".join(f"{n} {s}" for s, n in counts.items())
+        + " (engine: "
+        + ", ".join(f"{n} {e}" for e, n in engines.items() if n)
+        + ")"
     )
     limit = None if args.memory_limit is None else args.memory_limit * 1e9
     best = table.top_k(args.top_k, memory_limit=limit)

@@ -121,51 +121,75 @@ def stack_rows(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_ro
     n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
     d, r = capacity.num_devices, capacity.num_resources
     items = list(items) + [items[0]] * (num_rows - len(items))
-    fields: dict[str, list] = {
-        name: []
-        for name in (
-            "resource",
-            "slot_device",
-            "dep_slot",
-            "out_slot",
-            "link",
-            "is_comm",
-            "resource_device",
-            "num_ops",
-            *_OP_FEATURES,
-            *_DEVICE_FEATURES,
-        )
+    # Preallocated with each field's padding value; each row fills its prefix.
+    arrays = {
+        "resource": np.full((num_rows, n, k), NO_RESOURCE, np.int32),
+        "slot_device": np.full((num_rows, n, k), NO_DEVICE, np.int32),
+        "dep_slot": np.full((num_rows, n, p), NO_SLOT, np.int32),
+        "out_slot": np.full((num_rows, n), NO_SLOT, np.int32),
+        "link": np.zeros((num_rows, n, 2), np.int32),
+        "is_comm": np.zeros((num_rows, n), bool),
+        "resource_device": np.full((num_rows, r), NO_DEVICE, np.int32),
+        "num_ops": np.zeros(num_rows, np.int32),
+        **{name: np.zeros((num_rows, n), np.float32) for name in _OP_FEATURES},
+        **{name: np.zeros((num_rows, d), np.float32) for name in _DEVICE_FEATURES},
     }
-    hw_fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(Hardware)}
-    for prepared, variant in items:
+    hardware_rows: list[Hardware] = []
+    for row, (prepared, variant) in enumerate(items):
         prog = prepared.program
-        fields["resource"].append(_pad(prog.resource, (n, k), NO_RESOURCE))
-        fields["slot_device"].append(_pad(prog.slot_device, (n, k), NO_DEVICE))
-        fields["dep_slot"].append(_pad(prog.dep_slot, (n, p), NO_SLOT))
-        fields["out_slot"].append(_pad(prog.out_slot, (n,), NO_SLOT))
-        fields["link"].append(_pad(prog.link, (n, 2), 0))
-        fields["is_comm"].append(_pad(prog.is_comm, (n,), False))
-        fields["resource_device"].append(_pad(prog.resource_device, (r,), NO_DEVICE))
-        fields["num_ops"].append(np.asarray(prog.num_ops))
-        for name in _OP_FEATURES + _DEVICE_FEATURES:
+        for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "resource_device"):
+            x = np.asarray(getattr(prog, name))
+            arrays[name][(row, *(slice(0, m) for m in x.shape))] = x
+        arrays["num_ops"][row] = int(prog.num_ops)
+        for name in _OP_FEATURES + _DEVICE_FEATURES:  # the kernel computes in float32
             x = np.asarray(getattr(prog, name))
             x = x[variant] if x.ndim > 1 else x
-            fields[name].append(_pad(x, (d,) if name in _DEVICE_FEATURES else (n,), 0.0))
-        hw = pad_hardware(prepared.hardware, d) if prepared.hardware.num_devices < d else prepared.hardware
-        for name in hw_fields:
-            hw_fields[name].append(getattr(hw, name))
-    arrays = {name: np.stack(values) for name, values in fields.items()}
-    for name in _OP_FEATURES + _DEVICE_FEATURES:  # the kernel computes in float32
-        arrays[name] = arrays[name].astype(np.float32)
+            arrays[name][row, : x.shape[0]] = x
+        hw = prepared.hardware
+        hardware_rows.append(pad_hardware(hw, d) if hw.num_devices < d else hw)
     placeholder = np.zeros((num_rows, 1, 1), np.float32)
     program = Program(
         **arrays, alloc_bytes=placeholder, free_bytes=placeholder, num_finish_slots=capacity.finish_slots
     )
-    hardware = Hardware(**{name: np.stack(v).astype(np.float32) for name, v in hw_fields.items()})
+    hardware = Hardware(
+        **{
+            f.name: np.stack([getattr(hw, f.name) for hw in hardware_rows]).astype(np.float32)
+            for f in dataclasses.fields(Hardware)
+        }
+    )
     return program, hardware
 
 
-def _pad(x, trailing: tuple, fill) -> np.ndarray:
-    x = np.asarray(x)
-    widths = [(0, t - s) for s, t in zip(x.shape, trailing, strict=True)]
-    return np.pad(x, widths, constant_values=fill) if any(w for _, w in widths) else x
+def choose_capacities(
+    sizes: Sequence[int], *, seconds_per_op_row: float, seconds_per_compile: float, granularity: int = 256
+) -> list[int]:
+    """Op capacities (multiples of ``granularity``) minimizing padded kernel work plus compiles.
+
+    A dynamic program over the sorted distinct sizes: each capacity costs one
+    compile, and every configuration it serves costs its padded op rows.
+
+    Args:
+      sizes: the op count of every configuration to simulate.
+      seconds_per_op_row: kernel seconds per padded (op, configuration) pair.
+      seconds_per_compile: seconds to compile one more kernel shape.
+      granularity: capacities are multiples of this.
+
+    Returns:
+      Ascending capacities; a configuration runs in the smallest one that holds it.
+    """
+    rounded = -(-np.asarray(sizes, np.int64) // granularity) * granularity
+    values, counts = np.unique(rounded, return_counts=True)
+    below = np.concatenate([[0], np.cumsum(counts)])
+    best = np.full(len(values) + 1, np.inf)  # best[j]: cost of covering values[:j]
+    best[0] = 0.0
+    cut = np.zeros(len(values) + 1, np.int64)
+    for j in range(1, len(values) + 1):
+        i = np.arange(j)  # one capacity values[j - 1] for values[i:j]
+        cost = best[i] + (below[j] - below[i]) * values[j - 1] * seconds_per_op_row + seconds_per_compile
+        cut[j] = int(np.argmin(cost))
+        best[j] = cost[cut[j]]
+    caps, j = [], len(values)
+    while j > 0:
+        caps.append(int(values[j - 1]))
+        j = cut[j]
+    return caps[::-1]

@@ -6,19 +6,25 @@ Pipeline (one direction):
    rows with their reason straight away.
 2. Group the valid rows by structural key (:meth:`Config.structural_key`:
    every knob except the global batch size, which flows as a size-variant
-   batch dim, and the hardware, a batch axis of ``Hardware``). Per key: build
-   the model once with ``batch_size = np.array(<the group's batch sizes>)``,
-   parallelize it with ``representative_only=True`` (one replica of each
-   symmetric group; collectives costed over their full groups) and lower it
-   once per hardware preset. The program carries S size variants.
+   batch dim, and the hardware, a batch axis of ``Hardware``). Per key, one
+   program carrying S size variants, per hardware preset:
+
+   * fast engine (default, :mod:`search._fast`): a coarse program (one op per
+     pipeline step) filled from a cached template and one measured fine
+     block; milliseconds per key, the same numbers as the exact engine.
+   * exact engine (and the rows the fast engine does not model): build the
+     model once with ``batch_size = np.array(<the group's batch sizes>)``,
+     parallelize it with ``representative_only=True`` (one replica of each
+     symmetric group; collectives costed over their full groups) and lower it.
 3. Compact each program to the devices it uses, and put it in a bucket by its
    op count rounded up to a power of two (``Capacity.bucketed``). A bucket is
    simulated when it holds as many rows as one call may take
    (``max_configs_per_call``, and ``max_bytes`` of estimated kernel memory);
-   at the end the remaining buckets are simulated, small ones merged into
-   larger ones when the padding costs less than a compile. Rows are padded to
-   the bucket's capacity and the row count to a power of two, so a whole
-   sweep compiles a handful of kernels.
+   the remaining rows are regrouped at the end into op capacities that
+   minimize padded kernel work plus compiles
+   (:func:`~search._programs.choose_capacities`). Rows are padded to their
+   capacity and the row count to a power of two, so a whole sweep compiles a
+   handful of kernels.
 4. Each call shards its rows over all local JAX devices (a ``Mesh`` with one
    ``"configs"`` axis; ``shard_map`` runs the kernel on each device's slice,
    with no communication).
@@ -27,9 +33,9 @@ Precision: the kernel runs in float32, so step times match the float64
 reference simulator to about 1e-6 relative; peak memory comes from lowering,
 in float64, and is compared with the preset's capacity in float64.
 
-Time: building and lowering the programs (Python) dominates; the kernel
-calls take milliseconds per thousand configurations. The progress bar
-therefore counts configurations built.
+Time: with the exact engine, building and lowering the programs (Python)
+dominates; with the fast engine, the kernel calls and their compilation do.
+The progress bar counts configurations prepared.
 
 Multi-host: call ``jax.distributed.initialize()`` on every host first, then
 ``evaluate`` on each with its own ``results_path``: by default each host
@@ -41,6 +47,7 @@ to another. Merge the files afterwards with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -55,7 +62,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
 from distir_jax.kernel import STATUS_INVALID, simulate
 from distir_jax.lower import Capacity, lower
-from search._programs import Prepared, compact, row_bytes, stack_rows
+from search._fast import ENGINES, FastEngine, fast_unsupported
+from search._programs import Prepared, choose_capacities, compact, row_bytes, stack_rows
 from search._progress import progress_bar
 from search.results import STATUS_INVALID as INVALID
 from search.results import STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
@@ -64,9 +72,10 @@ from search.space import Config, StrategySpace, _one_line, as_configs
 CONFIG_AXIS = "configs"
 _BUILD_ERRORS = (ValueError, NotImplementedError)
 _COMM_FEATURES = ("comm_volume", "comm_hops")
-# Padded op-rows worth one kernel compile (~1-3 s on a CPU at ~1e8 op-rows/s):
-# below this, merging a small bucket into a larger one beats compiling for it.
-_MERGE_OP_ROWS = 1 << 27
+# The cost model for choosing op capacities, measured on a 2-core CPU with
+# per-configuration structure (the kernel re-lays and costs every padded op row).
+_SECONDS_PER_OP_ROW = 2.5e-7
+_SECONDS_PER_COMPILE = 1.0
 _MIN_ROWS = 32
 
 
@@ -81,6 +90,7 @@ def evaluate(
     process_index: int | None = None,
     process_count: int | None = None,
     checkpoint_seconds: float = 60.0,
+    engine: str = "fast",
 ) -> ResultTable:
     """Simulates every configuration of a space (or a list of rows) in batched kernel calls.
 
@@ -97,11 +107,20 @@ def evaluate(
       process_index, process_count: this host's slice of the configurations
         (default: ``jax.process_index()`` / ``jax.process_count()``).
       checkpoint_seconds: how often to write partial results to ``results_path``.
+      engine: ``"fast"`` (default) generates coarse programs as arrays
+        (:mod:`search._fast`: milliseconds per structural key instead of
+        seconds, the same step times and peak memory: tested against the
+        reference simulator on the fine programs) and runs the exact engine
+        for rows it does not model; ``"exact"`` builds every structural key's
+        program with the transforms. The table's ``engine`` column says which
+        one ran.
 
     Returns:
       A :class:`ResultTable`, one row per configuration, in enumeration order
       (rows read from ``results_path`` that are not in the space come last).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     configs = as_configs(space_or_configs)
     existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
     done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
@@ -128,12 +147,20 @@ def evaluate(
     emit(invalid)
     bar.update(len(invalid))
     models: dict = {}  # single-device programs, shared by the keys of one model and batch set
-    for group in _groups([c for c in todo if c.valid]):
-        for config, prepared, variant, reason in _prepare_group(group, models):
+    valid = [c for c in todo if c.valid]
+    fast_engine = FastEngine([c for c in valid if not fast_unsupported(c)]) if engine == "fast" else None
+    for group in _groups(valid):
+        rows_of_group = None
+        if fast_engine is not None and not fast_unsupported(group[0]):
+            rows_of_group = fast_engine.prepare(group)  # None: not expressible, run exact
+        fast = rows_of_group is not None
+        if not fast:
+            rows_of_group = _prepare_group(group, models)
+        for config, prepared, variant, reason in rows_of_group:
             if reason:
                 emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
             else:
-                batcher.add(config, prepared, variant)
+                batcher.add(config, prepared, variant, "fast" if fast else "exact")
             # Building dominates a sweep's time (kernel calls take milliseconds
             # per thousand rows), so progress counts configurations built.
             bar.update(1)
@@ -243,30 +270,38 @@ class _Batcher:
         self.items: dict[int, list] = {}
         self.capacity: dict[int, Capacity] = {}
 
-    def add(self, config: Config, prepared: Prepared, variant: int) -> None:
+    def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
         cap = prepared.capacity.bucketed()
         key = cap.num_ops
         self.capacity[key] = cap if key not in self.items else self.capacity[key].union(cap)
-        self.items.setdefault(key, []).append((config, prepared, variant))
+        self.items.setdefault(key, []).append((config, prepared, variant, engine))
         if len(self.items[key]) >= self._limit(self.capacity[key]):
             self._flush(key)
 
     def flush_all(self) -> None:
-        """Simulates every pending row, merging small buckets into larger ones.
+        """Simulates every pending row, in op capacities chosen for the whole remainder.
 
-        A compile costs seconds while the kernel runs ~1e8 op-rows per second
-        even on a CPU, so a small bucket is padded into a larger bucket's
-        capacity whenever the extra work stays under one compile's worth.
+        Rows were bucketed by power-of-two op counts on the way in (so full
+        buckets could run early); the rest are regrouped by
+        :func:`~search._programs.choose_capacities`, which trades padded kernel
+        work against compiling one more kernel shape.
         """
-        keys = sorted(self.items, reverse=True)
-        while keys:
-            target = keys.pop(0)
-            for key in list(keys):
-                if len(self.items[key]) * target <= _MERGE_OP_ROWS:
-                    self.items[target] += self.items.pop(key)
-                    self.capacity[target] = self.capacity[target].union(self.capacity.pop(key))
-                    keys.remove(key)
-            self._flush(target)
+        pending = [item for items in self.items.values() for item in items]
+        self.items.clear()
+        self.capacity.clear()
+        if not pending:
+            return
+        sizes = [item[1].capacity.num_ops for item in pending]
+        caps = choose_capacities(
+            sizes, seconds_per_op_row=_SECONDS_PER_OP_ROW, seconds_per_compile=_SECONDS_PER_COMPILE
+        )
+        for item, size in zip(pending, sizes, strict=True):
+            cap = caps[int(np.searchsorted(caps, size))]
+            bucketed = dataclasses.replace(item[1].capacity.bucketed(), num_ops=cap)
+            self.capacity[cap] = self.capacity[cap].union(bucketed) if cap in self.capacity else bucketed
+            self.items.setdefault(cap, []).append(item)
+        for cap in sorted(self.items):
+            self._flush(cap)
 
     def _limit(self, capacity: Capacity) -> int:
         n = len(self.devices)
@@ -283,12 +318,17 @@ class _Batcher:
             # compiled shapes, and padding rows cost next to nothing.
             num_rows = min(limit, max(_MIN_ROWS, 1 << (len(chunk) - 1).bit_length()))
             num_rows = -(-num_rows // n) * n
-            program, hardware = stack_rows([(p, v) for _, p, v in chunk], capacity, num_rows)
+            program, hardware = stack_rows([(p, v) for _, p, v, _ in chunk], capacity, num_rows)
             out = _run(program, hardware, self.devices)
-            self.emit([_row(c, p, v, {k: x[i] for k, x in out.items()}) for i, (c, p, v) in enumerate(chunk)])
+            self.emit(
+                [
+                    _row(c, p, v, {k: x[i] for k, x in out.items()}, engine)
+                    for i, (c, p, v, engine) in enumerate(chunk)
+                ]
+            )
 
 
-def _row(config: Config, prepared: Prepared, variant: int, out: dict) -> dict:
+def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: str) -> dict:
     """A result row from the kernel's outputs for one configuration."""
     peak = prepared.peak_bytes[variant if prepared.num_variants > 1 else 0]
     capacity = np.asarray(prepared.hardware.memory_capacity, np.float64)
@@ -302,6 +342,7 @@ def _row(config: Config, prepared: Prepared, variant: int, out: dict) -> dict:
         "communication_time_s": float(out["communication"]),
         "bubble_time_s": float(out["bubble"]),
         "simulated_ops": int(prepared.program.num_ops),
+        "engine": engine,
     }
     if int(out["status"]) == STATUS_INVALID or not math.isfinite(step):
         reason = "simulation gave a non-finite step time"

@@ -19,6 +19,7 @@ Columns (see :data:`COLUMNS` for types):
   the step time; with a communication stream, overlapped communication makes
   the sum exceed it.
 * ``simulated_ops``: ops in the (symmetry-reduced) program that was simulated.
+* ``engine``: ``"exact"`` or ``"fast"`` (see :func:`search.evaluate`); empty when nothing ran.
 
 Invalid rows are never NaN: their step time is ``inf``, and throughput,
 memory and breakdown are 0, so sorting never favours them; filter by
@@ -74,6 +75,7 @@ COLUMNS: dict[str, type] = {
     "communication_time_s": float,
     "bubble_time_s": float,
     "simulated_ops": int,
+    "engine": str,
 }
 METRICS = (
     "step_time_s",
@@ -84,6 +86,7 @@ METRICS = (
     "communication_time_s",
     "bubble_time_s",
     "simulated_ops",
+    "engine",
 )
 _NUMPY = {str: object, int: np.int64, float: np.float64, bool: np.bool_}
 
@@ -94,7 +97,9 @@ def _column(kind: type, values) -> np.ndarray:
 
 def invalid_metrics() -> dict:
     """Metrics of a row that was not simulated (no NaN, see the module docstring)."""
-    return {m: (math.inf if m == "step_time_s" else 0) for m in METRICS}
+    metrics = {m: (math.inf if m == "step_time_s" else 0) for m in METRICS}
+    metrics["engine"] = ""  # nothing ran
+    return metrics
 
 
 class ResultTable:

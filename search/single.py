@@ -58,7 +58,7 @@ def simulate_config(config: Config, *, representative_only: bool = True) -> Sing
     prepared = compact(lower(fn, topology), topology)
     program, hardware = stack_rows([(prepared, 0)], prepared.capacity, 1)
     out = {k: np.asarray(v)[0] for k, v in _simulate_rows(program, hardware).items()}
-    row = _row(config, prepared, 0, out)
+    row = _row(config, prepared, 0, out, "exact")  # the fine program, for its per-op trace
     ops = simulate(program, hardware, record_ops=True)
     slots = np.asarray(prepared.program.slot_device)
     return SingleResult(

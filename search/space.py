@@ -151,7 +151,9 @@ class StrategySpace:
         set_("optimizer", _one_of("optimizer", _as_tuple("optimizer", self.optimizer, str), OPTIMIZERS))
         for name in ("zero", "sequence_parallel", "overlap_grad_comm"):
             set_(name, _as_tuple(name, getattr(self, name), bool))
-        set_("dtype", (None,) if self.dtype is None else _as_tuple("dtype", self.dtype, str))
+        # None: each model's own dtype (normalized to (None,), which `replace` sees again).
+        keep_dtype = self.dtype is None or self.dtype == (None,)
+        set_("dtype", (None,) if keep_dtype else _as_tuple("dtype", self.dtype, str))
         set_("hardware", _as_tuple("hardware", self.hardware, str))
         for m in self.model:  # fail early on an unknown preset name
             if isinstance(m, str):

@@ -21,6 +21,12 @@ SMALL_SWEEP = [
     "f32",
     "--optimizer",
     "sgd",
+    "--zero",
+    "no",
+    "--microbatches",
+    "2,4",
+    "--schedules",
+    "1f1b",
     "--no-progress",
     "--top-k",
     "3",
@@ -51,6 +57,32 @@ def test_sweep_writes_results_and_prints_the_best(tmp_path, capsys):
     assert ResultTable.read(tmp_path / "sweep.parquet") == table
 
 
+def test_the_default_sweep_is_the_main_job(tmp_path, capsys):
+    """`distir-jax sweep` with no options: the README's main job."""
+    pytest.importorskip("distir_jax.transforms.parallelize")
+    out = tmp_path / "sweep.csv"
+    assert main(["sweep", "--no-progress", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gpt3-xl" in text and "top 10 by throughput" in text and "Pareto front" in text
+    table = ResultTable.read(out)
+    assert len(table) > 1000 and (table["status"] == "ok").sum() > 500
+    ran = table["status"] != "invalid"
+    assert set(table["engine"][ran].tolist()) == {"fast"}  # every default knob is modelled fast
+    assert set(table["tensor"][table["status"] == "ok"].tolist()) >= {1, 2, 4, 8}
+
+
+def test_exact_engine_gives_the_same_table(tmp_path, capsys):
+    pytest.importorskip("distir_jax.transforms.parallelize")
+    fast, exact = tmp_path / "fast.csv", tmp_path / "exact.csv"
+    assert main(SMALL_SWEEP + ["--output", str(fast)]) == 0
+    assert main(SMALL_SWEEP + ["--output", str(exact), "--engine", "exact"]) == 0
+    a, b = ResultTable.read(fast), ResultTable.read(exact)
+    assert a["config_id"].tolist() == b["config_id"].tolist()
+    assert set(b["engine"][b["status"] != "invalid"].tolist()) == {"exact"}
+    for name in ("step_time_s", "peak_memory_bytes"):
+        assert a[name] == pytest.approx(b[name], rel=1e-5)
+
+
 def test_sweep_resume_keeps_existing_rows(tmp_path, capsys):
     pytest.importorskip("distir_jax.transforms.parallelize")
     out = tmp_path / "r.csv"
@@ -72,6 +104,7 @@ def test_sweep_resume_keeps_existing_rows(tmp_path, capsys):
         ["sweep", "--schedules", "zigzag"],
         ["sweep", "--zero", "maybe"],
         ["sweep", "--output", "results.txt"],
+        ["sweep", "--engine", "approximate"],
         ["sweep", "--no-such-option"],
         ["simulate", "--data", "0"],
         ["simulate", "--data", "2", "--world-size", "3"],
@@ -112,6 +145,7 @@ def test_help_lists_every_option(capsys):
         "--memory-limit",
         "--chunk-size",
         "--chunk-memory",
+        "--engine",
     ):
         assert option in text, option
     assert main(["simulate", "--help"]) == 0

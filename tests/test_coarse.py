@@ -229,12 +229,16 @@ def test_coarsening_overlapped_reductions_waits_for_whole_steps(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_generated_memory_is_close_to_the_fine_programs(case):
-    """The generator's memory model (see coarse_pipeline) is within a few percent of the real one."""
-    _, coarse, generated, _, _ = build(case)
+def test_generated_memory_matches_the_fine_programs(case):
+    """The generator replays the fine block's memory events: equal peaks, except with
+    gradient overlap (coarse reductions start after a chunk's last backward)."""
+    _, coarse, generated, _, kwargs = build(case)
     used = np.asarray(coarse.peak_bytes) > 0
+    overlap = kwargs["overlap"] and kwargs["data"] > 1
     np.testing.assert_allclose(
-        np.asarray(generated.peak_bytes)[0][used], np.asarray(coarse.peak_bytes)[used], rtol=0.05
+        np.asarray(generated.peak_bytes)[0][used],
+        np.asarray(coarse.peak_bytes)[used],
+        rtol=0.05 if overlap else 1e-9,
     )
 
 

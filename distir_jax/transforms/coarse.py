@@ -27,12 +27,15 @@ from distir_jax.transforms.coarse_pipeline import (
 )
 from distir_jax.transforms.coarse_program import (
     ChunkTables,
+    SplitBlockError,
     balanced_layers,
     chunk_tables,
     coarse_pipeline_program,
     realize,
     stage_devices,
     stage_peak_memory,
+    transform_layers_per_chunk,
+    transform_step_costs,
 )
 from distir_jax.transforms.coarse_schedule import estimated_times, message_times, schedule_arrays
 
@@ -44,6 +47,7 @@ __all__ = [
     "ChunkTables",
     "LayerFeatures",
     "PipelineTemplate",
+    "SplitBlockError",
     "allocate_finish_slots",
     "balanced_layers",
     "chunk_tables",
@@ -61,4 +65,6 @@ __all__ = [
     "stage_devices",
     "stage_peak_memory",
     "template_size",
+    "transform_layers_per_chunk",
+    "transform_step_costs",
 ]

@@ -42,7 +42,8 @@ from distir_jax.ir.registry import get_spec
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.types import DTYPE_BYTES
 from distir_jax.lower import lower
-from distir_jax.models.config import TransformerConfig
+from distir_jax.models.config import MLPConfig, TransformerConfig
+from distir_jax.models.mlp import mlp_training_step
 from distir_jax.models.transformer import transformer_training_step
 from distir_jax.transforms.coarse_fuse import fuse_groups
 
@@ -79,9 +80,27 @@ class LayerFeatures:
       accumulate: ``[3, F]`` adding one microbatch's weight gradients of a part
         to the running sums (an ``Add`` per weight, in later microbatches' backwards).
       grad_types: per part, the types of its weight gradients.
+      grad_order: per part, its weight gradients' bytes in the order its
+        backward produces them.
+      op_layers, op_flops: the measured model's ops (all but optimizer updates):
+        their layers, and their flops ``[S, ops]``, for
+        :meth:`layer_costs`.
+      backward_rise, backward_net: ``[3, 2, 2, S]`` a part's backward memory by
+        ``[part, later microbatch, input freed here]``: a later microbatch adds
+        each weight gradient to the running sum right after computing it (a
+        new sum next to the old one and the gradient: often the stage's peak);
+        see ``output_used_by_own_backward`` for the input.
+      layers_per_block: model layers in one block (GPT: 1; MLP: 1, or a column
+        and a row layer under tensor parallelism, which must stay together).
+      ends_are_blocks: the embedding and head parts are the model's first and
+        last blocks rather than extra parts (MLP: the first layer's input needs
+        no gradient; the last one's output gradient comes from the loss).
+      output_used_by_own_backward: a block's backward reads the block's output
+        (an MLP layer's Relu gradient reads the Relu output), so a pipeline
+        chunk keeps the output it sent until its backward.
     """
 
-    model: TransformerConfig
+    model: TransformerConfig | MLPConfig
     tensor: int
     recompute: str
     microbatch_sizes: np.ndarray
@@ -96,6 +115,26 @@ class LayerFeatures:
     optimizer: np.ndarray
     accumulate: np.ndarray
     grad_types: tuple
+    grad_order: tuple
+    backward_rise: np.ndarray
+    backward_net: np.ndarray
+    op_layers: tuple = ()
+    op_flops: np.ndarray | None = None
+    layers_per_block: int = 1
+    ends_are_blocks: bool = False
+    output_used_by_own_backward: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks to cut into pipeline chunks (with the embedding and head if ``ends_are_blocks``)."""
+        return self.model.num_layers // self.layers_per_block
+
+    def layer_costs(self, variants: tuple[int, ...] | None = None) -> tuple[float, ...]:
+        """Forward + backward flops of the measured model's layers ``0..M+1``, as
+        the pipeline transform sums them to cut stages: each op's mean over the
+        size variants it is built with (``variants``; default all), in program order."""
+        variants = tuple(range(self.num_variants)) if variants is None else tuple(variants)
+        return _layer_costs(self, variants)
 
     @property
     def num_variants(self) -> int:
@@ -112,8 +151,17 @@ class LayerFeatures:
         return _data_parallel(self, int(degree), bool(zero))
 
 
+@functools.lru_cache(maxsize=4096)
+def _layer_costs(features: LayerFeatures, variants: tuple[int, ...]) -> tuple[float, ...]:
+    costs = [0.0] * (1 + max(features.op_layers))
+    means = features.op_flops[list(variants)].mean(axis=0)
+    for layer, flops in zip(features.op_layers, means.tolist(), strict=True):
+        costs[layer] += flops
+    return tuple(costs)
+
+
 def layer_features(
-    model: TransformerConfig,
+    model: TransformerConfig | MLPConfig,
     tensor: int,
     recompute: str,
     microbatch_sizes,
@@ -127,7 +175,9 @@ def layer_features(
     optimizer)``; the model carries its dtype and the topology its hardware.
 
     Args:
-      model: a GPT configuration (its ``num_layers`` is ignored: one block is built).
+      model: a GPT or an MLP configuration (its ``num_layers`` is ignored: a
+        GPT of one block is measured; an MLP of three blocks: the first and the
+        last differ from the others, see ``LayerFeatures.ends_are_blocks``).
       tensor: tensor-parallel degree; must divide the heads and widths.
       recompute: ``"none"``, ``"attention"`` or ``"full"``.
       microbatch_sizes: an int or 1-D ints, the size variants ``S``.
@@ -150,19 +200,42 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
     from distir_jax.transforms.recompute import recompute as recompute_transform
     from distir_jax.transforms.tensor_parallel import tensor_parallel
 
-    one_block = dataclasses.replace(model, num_layers=1)
     batch = np.asarray(sizes, np.int64) if len(sizes) > 1 else sizes[0]
-    fn = transformer_training_step(one_block, batch, optimizer=optimizer)
+    if isinstance(model, MLPConfig):
+        # Tensor parallelism pairs a column-split layer with a row-split one.
+        per_block = 1 if tensor == 1 else 2
+        if model.num_layers % per_block:
+            raise ValueError(
+                f"tensor parallelism keeps MLP layers in (column, row) pairs; "
+                f"{model.num_layers} layers do not pair up"
+            )
+        three = dataclasses.replace(model, num_layers=3 * per_block)
+        fn = mlp_training_step(three, batch, optimizer=optimizer)
+
+        def part_of(layer):  # blocks: the first (embedding part), a middle one, the last with the loss
+            return min((layer - 1) // per_block, 2)
+
+        per_sample = model.hidden * DTYPE_BYTES[model.dtype]
+        message, data = per_sample, per_sample  # activations; inputs x and targets [b, hidden]
+    else:
+        per_block = 1
+        fn = transformer_training_step(dataclasses.replace(model, num_layers=1), batch, optimizer=optimizer)
+
+        def part_of(layer):  # layer 0: embedding, 1: the block, 2: final LayerNorm, head and loss
+            return layer
+
+        message = model.seq_len * model.hidden * DTYPE_BYTES[model.dtype]
+        data = model.seq_len * DTYPE_BYTES["i32"]  # token ids (labels are as large)
     if tensor > 1:
         fn = tensor_parallel(fn, tensor, representative_only=True).function
     fn = recompute_transform(fn, policy).function
     s = len(sizes)
 
     def label(op):
-        phase, layer = op.attr("phase"), op.attr("layer")
+        phase, part = op.attr("phase"), part_of(op.attr("layer"))
         if phase == "opt":
-            return ("opt", layer)
-        return (layer, "B" if phase == "bwd" or op.attr("recompute", False) else "F")
+            return ("opt", part)
+        return (part, "B" if phase == "bwd" or op.attr("recompute", False) else "F")
 
     labels = [label(op) for op in fn.ops]
     fine = lower(fn, topology)
@@ -191,6 +264,19 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
             net[part, d] = alloc[:, g] - freed[:, g]
             mask = np.asarray([lab == (part, direction) for lab in labels])
             step_flops[part, d] = raw_flops[:, mask].sum(axis=1)
+    backward_rise, backward_net = _backward_memory(fn, fine, labels, s)
+    # Weight gradients of each part in the order its backward produces them
+    # (the order a data-parallel transform reduces them in).
+    updated = {op.inputs[1].name for op in fn.ops if op.attr("phase") == "opt"}
+    grad_order: list[list[float]] = [[], [], []]
+    for op, (part, direction) in zip(fn.ops, labels, strict=True):
+        if direction == "B" and part != "opt":
+            grad_order[part] += [float(np.max(v.type.num_bytes)) for v in op.outputs if v.name in updated]
+    # Per-op flops and layers, for the pipeline transform's per-layer costs.
+    costed = [i for i, op in enumerate(fn.ops) if op.attr("phase") != "opt"]
+    op_flops = per_variant(fine.flops)[:, costed]
+    op_flops.setflags(write=False)
+    op_layers = tuple(fn.ops[i].attr("layer") for i in costed)
     optimizer_features = np.zeros((3, len(COST_FEATURES)))
     params = np.zeros(3)
     state = np.zeros(3)
@@ -198,12 +284,13 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
     for op in fn.ops:
         if op.attr("phase") != "opt":
             continue
-        part = op.attr("layer")
+        part = part_of(op.attr("layer"))
         params[part] += float(op.inputs[0].type.num_bytes)
         state[part] += sum(float(v.type.num_bytes) for v in op.inputs[2:])
         grads[part].append(op.inputs[1].type)
     for part in range(3):
-        optimizer_features[part] = feats[0, index[("opt", part)]]
+        if ("opt", part) in index:  # parts without weights (an MLP's loss) have no update
+            optimizer_features[part] = feats[0, index[("opt", part)]]
     accumulate = np.zeros((3, len(COST_FEATURES)))
     add = get_spec("Add")
     speeds = (1.0 / topology.peak_flops[0], 1.0 / topology.memory_bandwidth[0])
@@ -216,7 +303,6 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
                 accumulate[part, _FEATURE_INDEX["linear_flops"]] += flops
             else:
                 accumulate[part, _FEATURE_INDEX["linear_bytes"]] += traffic
-    itemsize = DTYPE_BYTES[model.dtype]
     b = np.asarray(sizes, np.float64)
     return LayerFeatures(
         model=model,
@@ -227,14 +313,72 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         step_flops=step_flops,
         peak_rise=rise,
         net_bytes=net,
-        message_bytes=b * model.seq_len * model.hidden * itemsize,
-        data_bytes=b * model.seq_len * DTYPE_BYTES["i32"],
+        message_bytes=b * message,
+        data_bytes=b * data,
         param_bytes=params,
         state_bytes=state,
         optimizer=optimizer_features,
         accumulate=accumulate,
         grad_types=tuple(tuple(g) for g in grads),
+        grad_order=tuple(tuple(g) for g in grad_order),
+        backward_rise=backward_rise,
+        backward_net=backward_net,
+        op_layers=op_layers,
+        op_flops=op_flops,
+        layers_per_block=per_block,
+        ends_are_blocks=isinstance(model, MLPConfig),
+        output_used_by_own_backward=isinstance(model, MLPConfig),
     )
+
+
+def _backward_memory(fn, fine, labels, num_variants: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(peak rise, net bytes)``, each ``[3, 2, 2, S]``: a part's backward by
+    ``[part, later microbatch, input freed here]``.
+
+    Replays the part's fine memory events in program order (the rule of
+    :func:`~distir_jax.lower.peak_memory`: an op allocates, the level peaks,
+    then it frees). On a later microbatch, each weight gradient is followed by
+    the pipeline transform's ``Add`` into the running sum (allocates the new
+    sum, frees the gradient and the old sum). "Input freed here": the part's
+    input (the previous part's output) goes after its last read in this
+    backward, as a received copy does on the first block of a pipeline chunk
+    when the producer's own backward still reads the original (MLPs).
+    """
+    alloc = np.asarray(fine.alloc_bytes, np.float64)[..., 0]  # [N] or [S, N]: device 0 slot
+    freed = np.asarray(fine.free_bytes, np.float64)[..., 0]
+    alloc, freed = (np.broadcast_to(x, (num_variants,) + x.shape[-1:]) for x in (alloc, freed))
+    producer = {v.name: i for i, op in enumerate(fn.ops) for v in op.outputs}
+    # What the optimizer updates with: the sums a pipeline accumulates.
+    weight_grads = {op.inputs[1].name for op, (kind, _) in zip(fn.ops, labels, strict=True) if kind == "opt"}
+    last_read: dict[tuple[int, str], int] = {}  # (part, input) -> op of its last read in the part's backward
+    for i, (op, (part, direction)) in enumerate(zip(fn.ops, labels, strict=True)):
+        if direction != "B" or part == "opt":
+            continue
+        for v in op.inputs:
+            j = producer.get(v.name)
+            if j is not None and labels[j] == (part - 1, "F"):
+                last_read[(part, v.name)] = i
+    type_of = {v.name: v.type for op in fn.ops for v in op.outputs}
+    input_freed_at: dict[int, list] = {}
+    for (_, name), i in last_read.items():
+        input_freed_at.setdefault(i, []).append(type_of[name])
+    rise = np.zeros((3, 2, 2, num_variants))
+    net = np.zeros((3, 2, 2, num_variants))
+    for i, (op, label) in enumerate(zip(fn.ops, labels, strict=True)):
+        part, direction = label
+        if direction != "B" or part == "opt":
+            continue
+        r, n = rise[part], net[part]  # views [2, 2, S]
+        r[...] = np.maximum(r, n + alloc[:, i])
+        n += alloc[:, i] - freed[:, i]
+        for t in input_freed_at.get(i, ()):
+            n[:, 1] -= np.asarray(t.num_bytes, np.float64)
+        for v in op.outputs:
+            if v.name in weight_grads:
+                grad = np.asarray(v.type.num_bytes, np.float64)
+                r[1] = np.maximum(r[1], n[1] + grad)
+                n[1] -= grad
+    return rise, net
 
 
 @functools.lru_cache(maxsize=1024)

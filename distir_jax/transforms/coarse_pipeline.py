@@ -162,8 +162,8 @@ class PipelineTemplate:
             4 * n + p + 1 + stage,
         )
         memory_row = np.select(
-            [kind == F, kind == B, send, kind == UPDATE],
-            [chunk, n + chunk + n * later, 3 * n, 3 * n + 1 + stage],
+            [kind == F, kind == B, kind == SEND_ACTIVATION, kind == SEND_GRADIENT, kind == UPDATE],
+            [chunk, n + chunk + n * later, 3 * n, 3 * n + p + 2, 3 * n + 1 + stage],
             3 * n + p + 1,
         )
         return cost_row, memory_row

@@ -35,12 +35,16 @@ from distir_jax.transforms.coarse_pipeline import PipelineTemplate, data_mode, p
 
 __all__ = [
     "ChunkTables",
+    "SplitBlockError",
     "balanced_layers",
     "chunk_tables",
     "coarse_pipeline_program",
+    "part_coefficients",
     "realize",
     "stage_devices",
     "stage_peak_memory",
+    "transform_layers_per_chunk",
+    "transform_step_costs",
 ]
 
 _F = len(COST_FEATURES)
@@ -58,9 +62,9 @@ class ChunkTables:
       cost: ``[S, 4n + 2p + 1, F]`` rows: forward of chunk ``c``, first
         backward of ``c``, later backwards of ``c`` (which add to the gradient
         sums), a message, reduction of ``c``, update of stage ``s``, gather of ``s``.
-      alloc, free: ``[S, 3n + p + 2, 2]`` bytes per resource slot, rows: forward
-        of ``c``, first backward of ``c``, later backwards of ``c``, a
-        message, update of ``s``, nothing.
+      alloc, free: ``[S, 3n + p + 3, 2]`` bytes per resource slot, rows: forward
+        of ``c``, first backward of ``c``, later backwards of ``c``, an
+        activation message, update of ``s``, nothing, a gradient message.
       resident: ``[S, p]`` bytes resident on each stage's device.
     """
 
@@ -87,20 +91,104 @@ def balanced_layers(features: LayerFeatures, num_chunks: int) -> np.ndarray:
         float(per_part[_EMBED]),
         float(per_part[_BLOCK]),
         float(per_part[_HEAD]),
-        features.model.num_layers,
+        features.num_blocks,
         int(num_chunks),
+        features.ends_are_blocks,
     )
 
 
+class SplitBlockError(ValueError):
+    """The pipeline transform would cut inside a block, which a coarse program cannot express."""
+
+
+def transform_layers_per_chunk(
+    features: LayerFeatures, num_chunks: int, variants: Sequence[int] | None = None
+) -> np.ndarray:
+    """Blocks per chunk exactly as the pipeline transform cuts the model into stages.
+
+    The transform partitions the model's layers with
+    :func:`~distir_jax.transforms.pipeline.balanced_boundaries` on per-layer
+    flops (the mean over the size variants it is built with: ``variants`` of
+    ``features``, default all); this runs it on the same costs, from the
+    measured blocks repeated.
+
+    Raises:
+      SplitBlockError: a chunk boundary would fall inside a block (an MLP's
+        column / row layer pair under tensor parallelism), which a coarse
+        program cannot express.
+    """
+    costs = features.layer_costs(None if variants is None else tuple(int(v) for v in variants))
+    u, blocks = features.layers_per_block, features.num_blocks
+    return _transform_cut(costs, u, blocks, int(num_chunks), features.ends_are_blocks)
+
+
 @functools.lru_cache(maxsize=4096)
-def _fill_blocks(embed: float, block: float, head: float, num_blocks: int, num_chunks: int) -> np.ndarray:
-    if not 1 <= num_chunks <= num_blocks:
-        raise ValueError(f"cannot cut {num_blocks} blocks into {num_chunks} chunks of at least one block")
-    cost = np.full(num_chunks, block)
-    cost[0] += embed
-    cost[-1] += head
+def _transform_cut(
+    measured: tuple, u: int, blocks: int, num_chunks: int, ends_are_blocks: bool
+) -> np.ndarray:
+    from distir_jax.transforms.pipeline import balanced_boundaries
+
+    if not 1 <= num_chunks <= blocks:
+        raise ValueError(f"cannot cut {blocks} blocks into {num_chunks} chunks of at least one block")
+    if ends_are_blocks:  # measured: layer 0 (none), first, middle and last blocks, the loss
+        first, middle, last = (list(measured[1 + i * u : 1 + (i + 1) * u]) for i in range(3))
+        units = first + middle * (blocks - 2) + last if blocks > 1 else first
+    else:  # measured: layer 0 (embedding), one block, the head
+        units = list(measured[1:2]) * blocks
+    costs = [measured[0], *units, measured[-1]]
+    starts = np.asarray([1, *balanced_boundaries(costs, num_chunks), len(units) + 1])
+    if np.any((starts - 1) % u):
+        raise SplitBlockError(
+            f"the pipeline transform's stages split a block of {u} layers "
+            f"(stages start at layers {list(starts[1:-1])})"
+        )
+    layers = np.diff(starts) // u
+    layers.setflags(write=False)
+    return layers
+
+
+def part_coefficients(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> np.ndarray:
+    """``[n, 3]``: how many of each part (embedding, block, head) chunk ``c`` holds.
+
+    With ``features.ends_are_blocks`` (MLPs) the first chunk's first block is
+    the embedding part and the last chunk's last block the head part.
+    """
+    layers = np.asarray(layers_per_chunk, np.float64)
+    n = len(layers)
+    first, last = np.arange(n) == 0, np.arange(n) == n - 1
+    blocks = layers - first - last if features.ends_are_blocks else layers
+    return np.stack([first, blocks, last], axis=1).astype(np.float64)
+
+
+def transform_step_costs(
+    features: LayerFeatures, layers_per_chunk: Sequence[int], variants: Sequence[int] | None = None
+) -> np.ndarray:
+    """``[p * v, 2]`` step-cost estimates as the pipeline transform makes them: ``1 + flops``.
+
+    The transform orders the steps of all devices by start times estimated
+    from each chunk's forward / backward flops (the mean over the size
+    variants it is built with: ``variants`` of ``features``, default all);
+    passed as ``step_costs`` these give a template the fine program's order.
+    """
+    flops = features.step_flops if variants is None else features.step_flops[..., list(variants)]
+    return 1.0 + part_coefficients(features, layers_per_chunk) @ flops.mean(axis=-1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fill_blocks(
+    embed: float, block: float, head: float, num_blocks: int, num_chunks: int, ends_are_blocks: bool = False
+) -> np.ndarray:
     layers = np.ones(num_chunks, np.int64)
-    for _ in range(num_blocks - num_chunks):
+    cost = np.full(num_chunks, block)
+    if ends_are_blocks:  # the first and last blocks are the embedding and head parts themselves
+        cost[0], layers[-1] = embed, layers[-1] + (num_chunks == 1)
+        cost[-1] = cost[-1] + head if num_chunks == 1 else head
+    else:
+        cost[0] += embed
+        cost[-1] += head
+    if not 1 <= num_chunks or layers.sum() > num_blocks:
+        raise ValueError(f"cannot cut {num_blocks} blocks into {num_chunks} chunks of at least one block")
+    for _ in range(num_blocks - int(layers.sum())):
         c = num_chunks - 1 - int(np.argmin(cost[::-1]))  # the latest of the cheapest
         layers[c] += 1
         cost[c] += block
@@ -140,7 +228,7 @@ def chunk_tables(
     n = len(layers)
     shard = data if zero else 1
     first, last = np.arange(n) == 0, np.arange(n) == n - 1
-    coef = np.stack([first, layers, last], axis=1).astype(np.float64)  # [n, 3] parts per chunk
+    coef = part_coefficients(features, layers)  # [n, 3] parts per chunk
     stage_coef = np.zeros((p, 3))
     np.add.at(stage_coef, np.arange(n) % p, coef)
     s = features.num_variants
@@ -166,35 +254,64 @@ def chunk_tables(
         np.broadcast_to(stage_coef @ gather_parts, (s, p, _F)),
     ]
     cost = np.concatenate(rows, axis=1)
-    # Memory: chain the parts' (peak rise, net) through each chunk.
-    rise, net = features.peak_rise, features.net_bytes  # [3, 2, S]
+    # Memory of each chunk's passes, chained from its parts.
     grads = features.param_bytes  # [3]
+    rise_f, net_f = features.peak_rise[:, 0], features.net_bytes[:, 0]  # [3, S]
+    rise_b, net_b = features.backward_rise, features.backward_net  # [3, later, input freed, S]
+    # A received input is freed by the chunk's own first part when the sender's
+    # backward keeps the original (MLPs); otherwise the measured events free it.
+    receives = (np.arange(n) > 0) & features.output_used_by_own_backward
+    count = coef[:, 1:2]  # blocks; the first chunk may hold none besides the embedding (MLPs)
+
+    def part(rise, net, present):  # [S] each -> [n, S] where present
+        return np.where(present[:, None], rise[None, :], 0.0), np.where(present[:, None], net[None, :], 0.0)
+
+    def blocks(rise, net, num):  # num identical blocks one after the other
+        peak = rise[None, :] + np.maximum(0.0, (num - 1) * net[None, :])
+        return np.where(num > 0, peak, 0.0), num * net[None, :]
+
     absent = (np.zeros((n, s)), np.zeros((n, s)))
-
-    def part(q, d, present, minus_grads=False):
-        a = np.where(present[:, None], rise[q, d][None, :], 0.0)
-        b = np.where(present[:, None], net[q, d][None, :] - (grads[q] if minus_grads else 0.0), 0.0)
-        return a, b
-
-    def blocks(d, minus_grads=False):
-        per = net[_BLOCK, d][None, :] - (grads[_BLOCK] if minus_grads else 0.0)
-        count = layers[:, None].astype(np.float64)
-        return rise[_BLOCK, d][None, :] + np.maximum(0.0, (count - 1) * per), count * per
-
-    fwd = _chain(_chain(_chain(absent, part(_EMBED, 0, first)), blocks(0)), part(_HEAD, 0, last))
-    bwd = [
-        _chain(_chain(part(_HEAD, 1, last, later), blocks(1, later)), part(_EMBED, 1, first, later))
-        for later in (False, True)
-    ]
+    fwd = _chain(
+        _chain(
+            _chain(absent, part(rise_f[_EMBED], net_f[_EMBED], first)),
+            blocks(rise_f[_BLOCK], net_f[_BLOCK], count),
+        ),
+        part(rise_f[_HEAD], net_f[_HEAD], last),
+    )
+    bwd = []
+    for later in (0, 1):
+        r, m = rise_b[:, later], net_b[:, later]  # [3, 2, S]
+        head_first = receives & (count[:, 0] == 0)  # the head is the chunk's only (first) part
+        head = _chain(
+            part(r[_HEAD, 0], m[_HEAD, 0], last & ~head_first),
+            part(r[_HEAD, 1], m[_HEAD, 1], last & head_first),
+        )
+        first_block = (receives & (count[:, 0] > 0))[:, None]
+        body = _chain(
+            blocks(r[_BLOCK, 0], m[_BLOCK, 0], count - first_block),
+            blocks(r[_BLOCK, 1], m[_BLOCK, 1], first_block * 1.0),
+        )
+        bwd.append(_chain(_chain(head, body), part(r[_EMBED, 0], m[_EMBED, 0], first)))
     stage_grads = stage_coef @ grads  # [p]
-    alloc = np.zeros((s, 3 * n + p + 2, 2))
+    alloc = np.zeros((s, 3 * n + p + 3, 2))
     free = np.zeros_like(alloc)
     for i, (a, b) in enumerate([fwd, bwd[0], bwd[1]]):
         alloc[:, i * n : (i + 1) * n, 0] = a.T
         free[:, i * n : (i + 1) * n, 0] = (a - b).T
-    free[:, 3 * n, 0] = features.message_bytes  # the sender's copy goes
-    alloc[:, 3 * n, 1] = features.message_bytes  # the receiver's arrives
+    # A message arrives on the receiver, and the sender's copy goes, unless the
+    # sender's own backward still reads it (an MLP's Relu output): then the
+    # chunk's measured backward frees it (and the receiver's copy goes in the
+    # next chunk's backward, see `receives`).
+    message = features.message_bytes
+    kept = features.output_used_by_own_backward
+    for row, sender_frees in ((3 * n, not kept), (3 * n + p + 2, True)):  # activation, gradient
+        alloc[:, row, 1] = message
+        free[:, row, 0] = message if sender_frees else 0.0
     free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = stage_grads
+    if mode == "sync":
+        extra = _reduction_peak(features, coef, p, int(data), bool(zero))
+        alloc[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
+        free[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
     params = stage_coef @ features.param_bytes
     state = stage_coef @ features.state_bytes
     resident = params + state / shard + (params / shard if zero and data > 1 else 0.0)
@@ -203,6 +320,30 @@ def chunk_tables(
     resident[:, 0] += data_inputs  # tokens, on the first chunk's stage
     resident[:, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
     return ChunkTables(cost, alloc, free, resident)
+
+
+def _reduction_peak(features: LayerFeatures, coef: np.ndarray, p: int, data: int, zero: bool) -> np.ndarray:
+    """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
+
+    The data-parallel transform reduces gradients one by one in the order they
+    were produced (a stage's later chunks first, each chunk's parts in
+    backward order), each collective writing a new buffer and freeing the
+    gradient: an all-reduce output as large as the gradient, a ZeRO
+    reduce-scatter output ``1 / d`` of it (so the level falls as it goes).
+    """
+    n = coef.shape[0]
+    order = features.grad_order
+    extra = np.zeros(p)
+    for stage in range(p):
+        grads: list[float] = []
+        for c in range(n - 1 - (n - 1 - stage) % p, -1, -p):  # the stage's chunks, latest first
+            grads += list(order[_HEAD]) * int(coef[c, _HEAD]) + list(order[_BLOCK]) * int(coef[c, _BLOCK])
+            grads += list(order[_EMBED]) * int(coef[c, _EMBED])
+        g = np.asarray(grads, np.float64)
+        out = g / data if zero else g
+        released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
+        extra[stage] = max(0.0, float(np.max(out - released, initial=0.0)))
+    return extra
 
 
 @functools.lru_cache(maxsize=4096)
@@ -348,10 +489,10 @@ def coarse_pipeline_program(
     if layers_per_chunk is None:
         layers_per_chunk = balanced_layers(features, n)
     layers = np.asarray(layers_per_chunk, np.int64)
-    if layers.shape != (n,) or layers.min() < 1 or layers.sum() != features.model.num_layers:
+    if layers.shape != (n,) or layers.min() < 1 or layers.sum() != features.num_blocks:
         raise ValueError(
             f"layers_per_chunk must give each of the {n} chunks >= 1 of the model's "
-            f"{features.model.num_layers} blocks, got {list(layers)}"
+            f"{features.num_blocks} blocks, got {list(layers)}"
         )
     mode = data_mode(int(data), bool(overlap), bool(zero))
     template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs)

@@ -1,0 +1,155 @@
+"""The fast engine: coarse pipeline programs generated as arrays, no IR per configuration.
+
+The exact engine builds every structural key's program with the real
+transforms (Python, ~0.1-0.3 ms per op: seconds per key for a pipeline of
+many microbatches, minutes for GPT-3-sized programs). The fast engine instead
+measures one fine block per (model, tensor degree, recompute policy,
+optimizer, hardware, microbatch sizes) with
+:func:`~distir_jax.transforms.coarse.layer_features` and fills a cached
+:class:`~distir_jax.transforms.coarse.PipelineTemplate` per structural key
+(:func:`~distir_jax.transforms.coarse.coarse_pipeline_program`): one op per
+(chunk, microbatch, direction), one per message, a few per stage for data
+parallelism. Building a key costs milliseconds.
+
+How close it is: the same numbers as the exact engine (tests/test_search_fast.py
+checks step time to float32 precision and peak memory to 1e-9 against the
+reference simulator on the fine programs). The coarse ops fuse each step's
+fine ops on the reference hardware (exact there: see
+:mod:`distir_jax.transforms.coarse_fuse`), the issue order is the pipeline
+transform's own (from the same ``1 + flops`` estimates), and the memory
+events are the fine block's, replayed per pass (forward, first and later
+backward, a received input's last read).
+
+Rows the fast engine does not model (other models, sequence parallelism,
+gradient overlap, MLP tensor parallelism with a pipeline chunk that would
+split a column / row layer pair) fall back to the exact engine; the
+``engine`` column says which one ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from distir_jax.models import MLPConfig, TransformerConfig
+from distir_jax.transforms.coarse import (
+    SplitBlockError,
+    coarse_pipeline_program,
+    layer_features,
+    transform_layers_per_chunk,
+    transform_step_costs,
+)
+from search._programs import Prepared, compact
+from search.space import HARDWARE_DTYPE, Config, _topology
+
+ENGINES = ("exact", "fast")
+
+
+def fast_unsupported(config: Config) -> str:
+    """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``."""
+    model = config.model_config
+    if not isinstance(model, (TransformerConfig, MLPConfig)):
+        return f"the fast engine models GPT and MLP training steps, not {type(model).__name__}"
+    if config.sequence_parallel:
+        return "the fast engine does not model sequence parallelism"
+    if config.overlap_grad_comm and config.data > 1:
+        # Coarse programs start a chunk's reduction after its last backward, not
+        # per gradient: up to ~40% off on communication-bound toy models.
+        return "the fast engine does not model gradient overlap exactly"
+    # Under tensor parallelism an MLP's blocks are (column, row) layer pairs,
+    # which the fast engine keeps in one pipeline chunk.
+    chunks = config.pipeline * config.virtual_stages
+    if isinstance(model, MLPConfig):
+        per_block = 1 if config.tensor == 1 else 2
+        if model.num_layers % per_block or model.num_layers // per_block < max(chunks, 2):
+            return "a pipeline chunk would split a (column, row) pair of MLP layers"
+    return ""
+
+
+class FastEngine:
+    """Prepares structural keys as coarse programs; block measurements shared by the whole sweep.
+
+    One fine block is measured per (model, tensor degree, recompute policy,
+    optimizer, hardware) with every microbatch size the sweep needs as a size
+    variant, on a cluster of ``tensor`` devices of the row's hardware (a block
+    only reads its first device's speeds; links come in when a program is
+    filled for its real cluster).
+    """
+
+    def __init__(self, configs: Sequence[Config]):
+        sizes: dict[tuple, set] = {}
+        for c in configs:
+            sizes.setdefault(_measure_key(c), set()).add(c.microbatch_size)
+        self._sizes = {key: tuple(sorted(v)) for key, v in sizes.items()}
+
+    def prepare(self, group: Sequence[Config]) -> list[tuple[Config, Prepared | None, int, str]] | None:
+        """One structural key's coarse programs (one per hardware preset).
+
+        Returns:
+          ``(config, prepared, variant, reason)`` per row, like the exact
+          engine's preparation; or None when a coarse program cannot express
+          the key (the transform's stages would split an MLP layer pair): then
+          the caller runs the exact engine.
+        """
+        prepared: dict[str, tuple[Prepared, tuple] | str] = {}
+        for c in group:
+            if c.preset in prepared:
+                continue
+            try:
+                prepared[c.preset] = self._prepare(c, group)
+            except SplitBlockError:
+                return None
+            except ValueError as err:
+                prepared[c.preset] = str(err).splitlines()[0]
+        rows = []
+        for c in group:
+            p = prepared[c.preset]
+            if isinstance(p, str):
+                rows.append((c, None, 0, p))
+            else:
+                program, sizes = p
+                rows.append((c, program, sizes.index(c.microbatch_size), ""))
+        return rows
+
+    def _prepare(self, config: Config, group: Sequence[Config]) -> tuple[Prepared, tuple]:
+        key = _measure_key(config)
+        sizes = self._sizes.get(key) or tuple(sorted({c.microbatch_size for c in group}))
+        model, tensor, recompute, optimizer, hardware, dtype = key
+        features = layer_features(
+            model, tensor, recompute, sizes, _measure_topology(hardware, dtype, tensor), optimizer=optimizer
+        )
+        # The exact engine builds this key with its own batch sizes as variants, and
+        # the transform cuts stages and orders steps by their mean flops: so here too.
+        variants = sorted({sizes.index(c.microbatch_size) for c in group})
+        chunks = config.pipeline * config.virtual_stages
+        layers = transform_layers_per_chunk(features, chunks, variants)  # raises if a stage splits a block
+        topology = config.topology()
+        program = coarse_pipeline_program(
+            features,
+            topology,
+            pipeline=config.pipeline,
+            microbatches=max(config.microbatches, 1),
+            data=config.data,
+            virtual_stages=config.virtual_stages,
+            schedule=config.schedule,
+            zero=config.zero,
+            overlap=config.overlap_grad_comm,
+            layers_per_chunk=layers,
+            step_costs=transform_step_costs(features, layers, variants),
+        )
+        return compact(program, topology), sizes
+
+
+def _measure_key(config: Config) -> tuple:
+    return (
+        config.model_config,
+        config.tensor,
+        config.recompute,
+        config.optimizer,
+        config.hardware,
+        HARDWARE_DTYPE.get(config.dtype, config.dtype),
+    )
+
+
+def _measure_topology(hardware: str, dtype: str, tensor: int):
+    """``tensor`` devices of the row's hardware (or its explicit cluster)."""
+    return _topology(hardware if ":" in hardware else f"{hardware}:{tensor}", dtype)

@@ -1,0 +1,130 @@
+"""The fast engine (coarse programs generated as arrays) against the reference simulator on fine programs."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("distir_jax.transforms.parallelize")
+
+from distir_jax.executor.reference import reference_simulate  # noqa: E402
+from distir_jax.models import MLPConfig, TransformerConfig, get_model_config  # noqa: E402
+from distir_jax.presets import get_preset  # noqa: E402
+from distir_jax.transforms.coarse import layer_features  # noqa: E402
+from search import StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
+from search._fast import fast_unsupported  # noqa: E402
+
+TINY_GPT = TransformerConfig(num_layers=4, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
+SPACES = (
+    StrategySpace(  # DistIR's grid, small: every degree, pipelines of 1-4 layers per stage
+        model=("mlp-xs", MLPConfig(num_layers=6, hidden=96)),
+        world_sizes=(1, 2, 4, 8),
+        global_batch_sizes=(16, 64),
+        microbatches=(2, 4, 8),
+        schedules=("gpipe", "1f1b"),
+        zero=(False, True),
+        optimizer=("sgd", "adam"),
+    ),
+    StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(1, 2, 4, 8),
+        global_batch_sizes=(8, 16),
+        microbatches=(2, 4),
+        schedules=("gpipe", "1f1b", "interleaved"),
+        recompute=("none", "attention", "full"),
+        zero=(False, True),
+        optimizer="adam",
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def swept():
+    configs = [c for space in SPACES for c in enumerate_configs(space)]
+    return configs, evaluate(configs, progress=False, engine="fast")
+
+
+def test_fast_rows_match_the_reference_simulator_on_fine_programs(swept):
+    configs, table = swept
+    fast = np.flatnonzero(table["engine"] == "fast")
+    assert len(fast) >= 200
+    for i in np.random.default_rng(0).choice(fast, size=200, replace=False):
+        fn, topology = build_function(configs[i])  # what the exact engine simulates
+        reference = reference_simulate(fn, topology)
+        np.testing.assert_allclose(
+            table["step_time_s"][i], reference.step_time, rtol=1e-5, err_msg=str(configs[i])
+        )
+        np.testing.assert_allclose(
+            table["peak_memory_bytes"][i],
+            max(reference.peak_memory.values()),
+            rtol=1e-9,
+            err_msg=str(configs[i]),
+        )
+
+
+def test_fast_and_exact_tables_agree(swept):
+    configs, fast = swept
+    exact = evaluate(configs, progress=False, engine="exact")
+    assert fast["config_id"].tolist() == exact["config_id"].tolist()
+    assert fast["status"].tolist() == exact["status"].tolist()
+    assert set(exact["engine"][exact["status"] != "invalid"].tolist()) == {"exact"}
+    np.testing.assert_allclose(fast["step_time_s"], exact["step_time_s"], rtol=1e-5)
+    np.testing.assert_allclose(fast["peak_memory_bytes"], exact["peak_memory_bytes"], rtol=1e-9)
+    for name in ("compute_time_s", "communication_time_s", "bubble_time_s"):
+        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-4, atol=1e-9, err_msg=name)
+    # The fast programs are much smaller: one op per pipeline step.
+    used = fast["engine"] == "fast"
+    assert fast["simulated_ops"][used].sum() * 3 < exact["simulated_ops"][used].sum()
+
+
+def test_rows_the_fast_engine_does_not_model_run_exact():
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(4,),
+        global_batch_sizes=(8,),
+        microbatches=(2,),
+        overlap_grad_comm=(False, True),
+        sequence_parallel=(False, True),
+        optimizer="adam",
+    )
+    configs = list(enumerate_configs(space))
+    table = evaluate(configs, progress=False, engine="fast")
+    for c, engine, status in zip(configs, table["engine"], table["status"], strict=True):
+        if status == "invalid":
+            assert engine == ""
+        elif (c.overlap_grad_comm and c.data > 1) or c.sequence_parallel:
+            assert engine == "exact" and fast_unsupported(c), c
+        else:
+            assert engine == "fast", c
+
+
+def test_mlp_tensor_pairs_that_a_chunk_would_split_run_exact():
+    configs = [
+        c
+        for c in enumerate_configs(
+            StrategySpace(model="mlp-xs", world_sizes=(16,), global_batch_sizes=(64,), microbatches=(2,))
+        )
+        if c.valid
+    ]
+    split = [c for c in configs if c.tensor == 2 and c.pipeline == 8]  # 4 layer pairs, 8 stages
+    assert split and all("pair" in fast_unsupported(c) for c in split)
+    assert not fast_unsupported(next(c for c in configs if c.tensor == 2 and c.pipeline == 4))
+
+
+def test_unknown_engine_is_an_error():
+    with pytest.raises(ValueError, match="engine must be one of"):
+        evaluate([], engine="approximate")
+
+
+@pytest.mark.parametrize(
+    "model, tensor, policy",
+    [("mlp-xs", 1, "none"), ("mlp-xs", 2, "full"), ("gpt2-small", 2, "attention"), ("gpt2-small", 1, "full")],
+)
+def test_backward_replay_reproduces_the_fused_first_backward(model, tensor, policy):
+    """The per-op replay (used for later microbatches and received inputs) agrees with
+    the fused program's events where both apply: the first microbatch, input kept."""
+    f = layer_features(get_model_config(model), tensor, policy, [4, 8], get_preset("dgx-a100-80gb:8"))
+    np.testing.assert_allclose(f.backward_rise[:, 0, 0], f.peak_rise[:, 1], rtol=1e-12)
+    np.testing.assert_allclose(f.backward_net[:, 0, 0], f.net_bytes[:, 1], rtol=1e-12)
+    # A later microbatch keeps no new gradients: it adds them to the running sums.
+    np.testing.assert_allclose(
+        f.backward_net[:, 1, 0], f.net_bytes[:, 1] - f.param_bytes[:, None], rtol=1e-12
+    )
