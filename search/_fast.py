@@ -42,16 +42,26 @@ from search._programs import Prepared, compact
 from search.space import HARDWARE_DTYPE, Config, _topology
 
 ENGINES = ("exact", "fast")
+# The `engine` column of rows the fast engine approximated (approximate_overlap=True).
+FAST_APPROXIMATE = "fast-approx"
 
 
-def fast_unsupported(config: Config) -> str:
-    """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``."""
+def approximates(config: Config) -> bool:
+    """Whether the fast engine's program for ``config`` is an approximation (gradient overlap)."""
+    return config.overlap_grad_comm and config.data > 1
+
+
+def fast_unsupported(config: Config, *, approximate_overlap: bool = False) -> str:
+    """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``.
+
+    With ``approximate_overlap`` it takes rows with gradient overlap too (see
+    :func:`search.evaluate`)."""
     model = config.model_config
     if not isinstance(model, (TransformerConfig, MLPConfig)):
         return f"the fast engine models GPT and MLP training steps, not {type(model).__name__}"
     if config.sequence_parallel:
         return "the fast engine does not model sequence parallelism"
-    if config.overlap_grad_comm and config.data > 1:
+    if approximates(config) and not approximate_overlap:
         # Coarse programs start a chunk's reduction after its last backward, not
         # per gradient: up to ~40% off on communication-bound toy models.
         return "the fast engine does not model gradient overlap exactly"

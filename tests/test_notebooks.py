@@ -13,6 +13,4 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
     notebook = nbformat.read(path, as_version=4)
-    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute(
-        cwd=str(path.parent)
-    )
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute(cwd=str(path.parent))

@@ -96,6 +96,28 @@ def test_rows_the_fast_engine_does_not_model_run_exact():
             assert engine == "fast", c
 
 
+def test_approximate_overlap_is_opt_in_and_labelled():
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(4,),
+        global_batch_sizes=(8,),
+        microbatches=(2,),
+        overlap_grad_comm=(True,),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid]
+    exact = evaluate(configs, progress=False)
+    approx = evaluate(configs, progress=False, approximate_overlap=True)
+    overlapped = np.asarray([c.overlap_grad_comm and c.data > 1 for c in configs])
+    assert overlapped.any() and not overlapped.all()
+    assert set(exact["engine"][overlapped].tolist()) == {"exact"}
+    assert set(approx["engine"][overlapped].tolist()) == {"fast-approx"}
+    assert set(approx["engine"][~overlapped].tolist()) == {"fast"}
+    # Coarse reductions start after a chunk's last backward: never earlier than the fine ones.
+    ratio = approx["step_time_s"][overlapped] / exact["step_time_s"][overlapped]
+    assert np.all(ratio >= 1 - 1e-5) and np.all(ratio < 1.5)
+
+
 def test_mlp_tensor_pairs_that_a_chunk_would_split_run_exact():
     configs = [
         c
