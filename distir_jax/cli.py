@@ -277,16 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="fast",
         choices=("fast", "exact"),
         help="fast: coarse programs generated as arrays, the same numbers (tested against the "
-        "reference simulator) in milliseconds per strategy; rows it does not model (gradient "
-        "overlap, sequence parallelism) run exact. exact: build every program with the real "
+        "reference simulator) in milliseconds per strategy; rows it does not model exactly (sequence "
+        "parallelism, gradient overlap with ZeRO) run exact. exact: build every program with the real "
         "transforms (default: fast)",
     )
     s.add_argument(
         "--approximate-overlap",
         action="store_true",
-        help="let the fast engine simulate gradient-overlap rows approximately (a pipeline chunk's "
-        "reductions start after its last backward: a few percent slow on large models); their engine "
-        "column reads fast-approx. Without it they run exact, which is slow for large models",
+        help="let the fast engine simulate rows with gradient overlap and ZeRO approximately (updates "
+        "and all-gathers run as one op per stage instead of interleaved per weight); their engine column "
+        "reads fast-approx. Without it they run exact, which is slow for large models",
     )
     s.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
@@ -382,10 +382,10 @@ def _sweep(args) -> int:
         f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)} ...",
         flush=True,
     )
-    overlapped = sum(c.valid and c.overlap_grad_comm and c.data > 1 for c in configs)
+    overlapped = sum(c.valid and c.overlap_grad_comm and c.data > 1 and c.zero for c in configs)
     if overlapped and args.engine == "fast" and not args.approximate_overlap:
         print(
-            f"note: {overlapped} configurations with gradient overlap run on the exact engine "
+            f"note: {overlapped} configurations with gradient overlap and ZeRO run on the exact engine "
             "(slow for large models); --approximate-overlap simulates them fast, approximately",
             flush=True,
         )

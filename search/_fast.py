@@ -18,12 +18,17 @@ fine ops on the reference hardware (exact there: see
 :mod:`distir_jax.transforms.coarse_fuse`), the issue order is the pipeline
 transform's own (from the same ``1 + flops`` estimates), and the memory
 events are the fine block's, replayed per pass (forward, first and later
-backward, a received input's last read).
+backward, a received input's last read, each gradient's reduction).
 
-Rows the fast engine does not model (other models, sequence parallelism,
-gradient overlap, MLP tensor parallelism with a pipeline chunk that would
-split a column / row layer pair) fall back to the exact engine; the
-``engine`` column says which one ran.
+With gradient overlap, each chunk's last backward is cut after every weight
+gradient and each gradient's all-reduce follows its segment on stream 1, as
+the data-parallel transform issues them
+(:mod:`distir_jax.transforms.coarse_segments`).
+
+Rows the fast engine does not model exactly (other models, sequence
+parallelism, gradient overlap with ZeRO, MLP tensor parallelism with a
+pipeline stage that would split a column / row layer pair) fall back to the
+exact engine; the ``engine`` column says which one ran.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ FAST_APPROXIMATE = "fast-approx"
 
 
 def approximates(config: Config) -> bool:
-    """Whether the fast engine's program for ``config`` is an approximation (gradient overlap)."""
-    return config.overlap_grad_comm and config.data > 1
+    """Whether the fast engine's program for ``config`` is an approximation: gradient
+    overlap with ZeRO (reduce-scatters are cut per gradient, but the updates and
+    all-gathers run as one op per stage instead of interleaved per weight)."""
+    return config.overlap_grad_comm and config.data > 1 and config.zero
 
 
 def fast_unsupported(config: Config, *, approximate_overlap: bool = False) -> str:
@@ -62,9 +69,7 @@ def fast_unsupported(config: Config, *, approximate_overlap: bool = False) -> st
     if config.sequence_parallel:
         return "the fast engine does not model sequence parallelism"
     if approximates(config) and not approximate_overlap:
-        # Coarse programs start a chunk's reduction after its last backward, not
-        # per gradient: up to ~40% off on communication-bound toy models.
-        return "the fast engine does not model gradient overlap exactly"
+        return "the fast engine does not model gradient overlap with ZeRO exactly"
     # Under tensor parallelism an MLP's blocks are (column, row) layer pairs,
     # which the fast engine keeps in one pipeline chunk.
     chunks = config.pipeline * config.virtual_stages
@@ -145,6 +150,7 @@ class FastEngine:
             overlap=config.overlap_grad_comm,
             layers_per_chunk=layers,
             step_costs=transform_step_costs(features, layers, variants),
+            overlap_segments=True,
         )
         return compact(program, topology), sizes
 

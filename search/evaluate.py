@@ -116,12 +116,12 @@ def evaluate(
         program with the transforms. The table's ``engine`` column says which
         one ran.
       approximate_overlap: let the fast engine simulate rows with gradient
-        overlap too, approximately: a pipeline chunk's gradient reductions
-        start after its last backward instead of each right after its
-        gradient (slower than exact: ~2-3% on GPT-sized models, up to ~40% on
-        toy models whose step is mostly communication). Their ``engine`` is
-        ``"fast-approx"``. Without it they run on the exact engine, which for
-        large models takes seconds to minutes per structural key.
+        overlap and ZeRO too, approximately: per-gradient reduce-scatters are
+        exact, but the updates and all-gathers run as one op per stage after
+        the last reduction instead of interleaved per weight. Their
+        ``engine`` is ``"fast-approx"``. Without it they run on the exact
+        engine, which for large models takes seconds to minutes per
+        structural key. (Gradient overlap without ZeRO is exact.)
 
     Returns:
       A :class:`ResultTable`, one row per configuration, in enumeration order

@@ -46,6 +46,7 @@ from distir_jax.models.config import MLPConfig, TransformerConfig
 from distir_jax.models.mlp import mlp_training_step
 from distir_jax.models.transformer import transformer_training_step
 from distir_jax.transforms.coarse_fuse import fuse_groups
+from distir_jax.transforms.coarse_segments import add_features, backward_ops, linear_features
 
 __all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features"]
 
@@ -90,6 +91,9 @@ class LayerFeatures:
         each weight gradient to the running sum right after computing it (a
         new sum next to the old one and the gradient: often the stage's peak);
         see ``output_used_by_own_backward`` for the input.
+      segments: per part, its backward cut after each weight gradient
+        (:class:`~distir_jax.transforms.coarse_segments.PartSegments`), for
+        exact gradient overlap.
       layers_per_block: model layers in one block (GPT: 1; MLP: 1, or a column
         and a row layer under tensor parallelism, which must stay together).
       ends_are_blocks: the embedding and head parts are the model's first and
@@ -118,6 +122,7 @@ class LayerFeatures:
     grad_order: tuple
     backward_rise: np.ndarray
     backward_net: np.ndarray
+    segments: tuple = ()
     op_layers: tuple = ()
     op_flops: np.ndarray | None = None
     layers_per_block: int = 1
@@ -264,7 +269,15 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
             net[part, d] = alloc[:, g] - freed[:, g]
             mask = np.asarray([lab == (part, direction) for lab in labels])
             step_flops[part, d] = raw_flops[:, mask].sum(axis=1)
-    backward_rise, backward_net = _backward_memory(fn, fine, labels, s)
+    bops = backward_ops(fn, fine, labels, s)
+    replays = [
+        [[bops.replay(q, later, freed, cuts=False) for freed in (False, True)] for later in (0, 1)]
+        for q in range(3)
+    ]
+    backward_rise = np.asarray([[[r for r, _ in v] for v in part] for part in replays])  # [3, 2, 2, S]
+    backward_net = np.asarray([[[n for _, n in v] for v in part] for part in replays])
+    linear = linear_features(fine, topology, s)
+    segments = tuple(bops.segments(q, linear, topology) for q in range(3))
     # Weight gradients of each part in the order its backward produces them
     # (the order a data-parallel transform reduces them in).
     updated = {op.inputs[1].name for op in fn.ops if op.attr("phase") == "opt"}
@@ -291,18 +304,9 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
     for part in range(3):
         if ("opt", part) in index:  # parts without weights (an MLP's loss) have no update
             optimizer_features[part] = feats[0, index[("opt", part)]]
-    accumulate = np.zeros((3, len(COST_FEATURES)))
-    add = get_spec("Add")
-    speeds = (1.0 / topology.peak_flops[0], 1.0 / topology.memory_bandwidth[0])
-    for part, types in enumerate(grads):
-        for g in types:
-            f = add.features({}, (g, g), (g,))
-            flops, traffic = float(np.max(f.flops)), float(np.max(f.mem_bytes))
-            accumulate[part, _FEATURE_INDEX["launches"]] += 1.0
-            if flops * speeds[0] >= traffic * speeds[1]:
-                accumulate[part, _FEATURE_INDEX["linear_flops"]] += flops
-            else:
-                accumulate[part, _FEATURE_INDEX["linear_bytes"]] += traffic
+    accumulate = np.asarray(
+        [sum((add_features(g, topology) for g in types), np.zeros(len(COST_FEATURES))) for types in grads]
+    )
     b = np.asarray(sizes, np.float64)
     return LayerFeatures(
         model=model,
@@ -323,62 +327,13 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         grad_order=tuple(tuple(g) for g in grad_order),
         backward_rise=backward_rise,
         backward_net=backward_net,
+        segments=segments,
         op_layers=op_layers,
         op_flops=op_flops,
         layers_per_block=per_block,
         ends_are_blocks=isinstance(model, MLPConfig),
         output_used_by_own_backward=isinstance(model, MLPConfig),
     )
-
-
-def _backward_memory(fn, fine, labels, num_variants: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(peak rise, net bytes)``, each ``[3, 2, 2, S]``: a part's backward by
-    ``[part, later microbatch, input freed here]``.
-
-    Replays the part's fine memory events in program order (the rule of
-    :func:`~distir_jax.lower.peak_memory`: an op allocates, the level peaks,
-    then it frees). On a later microbatch, each weight gradient is followed by
-    the pipeline transform's ``Add`` into the running sum (allocates the new
-    sum, frees the gradient and the old sum). "Input freed here": the part's
-    input (the previous part's output) goes after its last read in this
-    backward, as a received copy does on the first block of a pipeline chunk
-    when the producer's own backward still reads the original (MLPs).
-    """
-    alloc = np.asarray(fine.alloc_bytes, np.float64)[..., 0]  # [N] or [S, N]: device 0 slot
-    freed = np.asarray(fine.free_bytes, np.float64)[..., 0]
-    alloc, freed = (np.broadcast_to(x, (num_variants,) + x.shape[-1:]) for x in (alloc, freed))
-    producer = {v.name: i for i, op in enumerate(fn.ops) for v in op.outputs}
-    # What the optimizer updates with: the sums a pipeline accumulates.
-    weight_grads = {op.inputs[1].name for op, (kind, _) in zip(fn.ops, labels, strict=True) if kind == "opt"}
-    last_read: dict[tuple[int, str], int] = {}  # (part, input) -> op of its last read in the part's backward
-    for i, (op, (part, direction)) in enumerate(zip(fn.ops, labels, strict=True)):
-        if direction != "B" or part == "opt":
-            continue
-        for v in op.inputs:
-            j = producer.get(v.name)
-            if j is not None and labels[j] == (part - 1, "F"):
-                last_read[(part, v.name)] = i
-    type_of = {v.name: v.type for op in fn.ops for v in op.outputs}
-    input_freed_at: dict[int, list] = {}
-    for (_, name), i in last_read.items():
-        input_freed_at.setdefault(i, []).append(type_of[name])
-    rise = np.zeros((3, 2, 2, num_variants))
-    net = np.zeros((3, 2, 2, num_variants))
-    for i, (op, label) in enumerate(zip(fn.ops, labels, strict=True)):
-        part, direction = label
-        if direction != "B" or part == "opt":
-            continue
-        r, n = rise[part], net[part]  # views [2, 2, S]
-        r[...] = np.maximum(r, n + alloc[:, i])
-        n += alloc[:, i] - freed[:, i]
-        for t in input_freed_at.get(i, ()):
-            n[:, 1] -= np.asarray(t.num_bytes, np.float64)
-        for v in op.outputs:
-            if v.name in weight_grads:
-                grad = np.asarray(v.type.num_bytes, np.float64)
-                r[1] = np.maximum(r[1], n[1] + grad)
-                n[1] -= grad
-    return rise, net
 
 
 @functools.lru_cache(maxsize=1024)

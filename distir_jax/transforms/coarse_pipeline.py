@@ -112,6 +112,10 @@ class PipelineTemplate:
       stage: ``[N, 2]`` stage of each resource slot (a send: sender, receiver), or -1.
       stream: ``[N]`` stream the op runs on.
       dep_slot, out_slot, num_slots: finish-time slots, as in a Program.
+      segment: ``[N]`` with ``segments``: the segment of a chunk's last
+        backward a step op is, or the reduction of; -1 otherwise.
+      segments: None, or per chunk, whether each of its last backward's
+        segments ends with a weight gradient (then a reduction follows it).
     """
 
     pipeline: int
@@ -127,6 +131,8 @@ class PipelineTemplate:
     dep_slot: np.ndarray
     out_slot: np.ndarray
     num_slots: int
+    segment: np.ndarray | None = None
+    segments: tuple | None = None
 
     @property
     def num_ops(self) -> int:
@@ -166,6 +172,14 @@ class PipelineTemplate:
             [chunk, n + chunk + n * later, 3 * n, 3 * n + p + 2, 3 * n + 1 + stage],
             3 * n + p + 1,
         )
+        if self.segments is not None:  # segment rows follow (see ChunkTables)
+            offset = np.concatenate([[0], np.cumsum([len(c) for c in self.segments])])
+            total = int(offset[-1])
+            seg = self.segment >= 0
+            index = offset[np.maximum(chunk, 0)] + self.segment
+            reduce = seg & (kind == REDUCE)
+            cost_row = np.where(seg, 4 * n + 2 * p + 1 + index + total * reduce, cost_row)
+            memory_row = np.where(seg, 3 * n + p + 3 + index + total * reduce, memory_row)
         return cost_row, memory_row
 
     @functools.cached_property
@@ -186,6 +200,7 @@ def pipeline_template(
     schedule: str = "1f1b",
     mode: str = "none",
     step_costs=None,
+    segments: tuple | None = None,
 ) -> PipelineTemplate:
     """The structure of a coarse pipeline program.
 
@@ -200,16 +215,32 @@ def pipeline_template(
         :func:`~distir_jax.transforms.schedules.global_issue_order`'s, as the
         pipeline transform computes it from the same estimates.
 
+      segments: with gradient overlap (``mode`` ``"overlap"``): per chunk, a
+        tuple of bools, one per segment of its last backward, True where the
+        segment ends with a weight gradient. Each chunk's last backward then
+        becomes these segments, each gradient's reduction on stream 1 right
+        after its segment, as the data-parallel transform issues them. None:
+        one reduction per chunk after its last backward (an approximation).
+
     Returns:
       A :class:`PipelineTemplate`.
     """
     if mode not in DATA_MODES:
         raise ValueError(f"mode must be one of {DATA_MODES}, got {mode!r}")
-    if step_costs is None:
+    if segments is not None:
+        if mode != "overlap":
+            raise ValueError(f"segments apply to mode 'overlap' only, got mode {mode!r}")
+        segments = tuple(tuple(bool(x) for x in c) for c in segments)
+        if len(segments) != int(pipeline) * int(virtual_stages) or not all(segments):
+            raise ValueError(f"segments needs a non-empty tuple per chunk, got {len(segments)} entries")
+    if step_costs is None and segments is None:
         return _cached_template(int(pipeline), int(microbatches), int(virtual_stages), schedule, mode)
-    return _build_template_uncached(
-        int(pipeline), int(microbatches), int(virtual_stages), schedule, mode, step_costs
+    core = (
+        _cached_core(int(pipeline), int(microbatches), int(virtual_stages), schedule)
+        if step_costs is None
+        else _core(int(pipeline), int(microbatches), int(virtual_stages), schedule, step_costs)
     )
+    return _build_template(core, mode, segments)
 
 
 @functools.lru_cache(maxsize=16)
@@ -220,10 +251,6 @@ def _cached_template(p, k, v, schedule, mode):
 @functools.lru_cache(maxsize=4)
 def _cached_core(p, k, v, schedule):
     return _core(p, k, v, schedule, None)
-
-
-def _build_template_uncached(p, k, v, schedule, mode, step_costs):
-    return _build_template(_core(p, k, v, schedule, step_costs), mode)
 
 
 def _core(p, k, v, schedule, step_costs) -> dict:
@@ -297,15 +324,22 @@ def _transform_times(schedule, chunk, mb, backward, p, k, v, step_costs):
     return start.reshape(chunk.shape), finish.reshape(chunk.shape)
 
 
-def _build_template(core: dict, mode: str) -> PipelineTemplate:
+def _build_template(core: dict, mode: str, segments: tuple | None = None) -> PipelineTemplate:
     """Adds a data-parallel mode's ops to a core; orders ops, finds dependencies and slots."""
-    p, k, v, n = core["p"], core["k"], core["v"], core["p"] * core["v"]
-    # Each chunk's reduction right after its last backward; updates (each followed
-    # by its gather) last, in stage order.
-    reduces = core["last_backward"] if mode.startswith("overlap") else np.zeros_like(core["last_backward"])
+    p, k, v = core["p"], core["k"], core["v"]
+    core = _split_last_backwards(core, segments) if segments is not None else dict(core, segment=None)
+    # Each chunk's reduction right after its last backward (with segments: each
+    # gradient's right after its segment); updates (each followed by its
+    # gather) last, in stage order.
+    if not mode.startswith("overlap"):
+        reduces = np.zeros_like(core["last_backward"])
+    elif segments is None:
+        reduces = core["last_backward"]
+    else:
+        reduces = core["ends_grad"]
     num_red = int(reduces.sum())
     ends = 2 if mode == "overlap_zero" else 1
-    last = 2 * len(core["rank"])
+    last = core["rank"].max(initial=0) + 2
     none = np.full(num_red + ends * p, -1)
     kind = np.concatenate([core["kind"], np.full(num_red, REDUCE), np.repeat([UPDATE, GATHER][:ends], p)])
     ev_chunk = np.concatenate([core["chunk"], core["chunk"][reduces], np.full(ends * p, -1)])
@@ -315,24 +349,30 @@ def _build_template(core: dict, mode: str) -> PipelineTemplate:
     ev_stream = np.concatenate(  # reductions and gathers on stream 1
         [np.zeros(len(core["rank"]), np.int64), np.ones(num_red, np.int64), np.repeat(np.arange(ends), p)]
     )
+    producer = np.concatenate(
+        [np.full(len(core["rank"]), -1), np.flatnonzero(reduces), np.full(ends * p, -1)]
+    )
+    ev_segment = None
+    if core["segment"] is not None:
+        ev_segment = np.concatenate([core["segment"], core["segment"][reduces], np.full(ends * p, -1)])
     rank = np.concatenate(
         [core["rank"], core["rank"][reduces] + 1] + [last + 2 * np.arange(p) + e for e in range(ends)]
     )
     order = np.argsort(rank, kind="stable")
     kind, ev_chunk, ev_mb = kind[order], ev_chunk[order], ev_mb[order]
     ev_stage, ev_stage2, ev_stream = ev_stage[order], ev_stage2[order], ev_stream[order]
+    ev_segment = None if ev_segment is None else ev_segment[order]
     num_ops = len(kind)
     op = np.arange(num_ops)
-    # Op index of each step / message / reduction, for dependencies.
-    step_op = np.full((2, n, k), -1, np.int64)
-    is_step = kind <= B
-    step_op[kind[is_step], ev_chunk[is_step], ev_mb[is_step]] = op[is_step]
+    position = np.empty(num_ops, np.int64)
+    position[order] = op
     # A step's inputs arrive by sends that occupy its device's stream before it,
     # so (costs being equal on a send's two resources) issue order implies them;
-    # only the data-parallel ops on stream 1 need explicit dependencies.
+    # only the data-parallel ops on stream 1 need explicit dependencies: a
+    # reduction on the (last) backward it follows.
     deps = np.full((num_ops, 1), -1, np.int64)
     red = kind == REDUCE
-    deps[red, 0] = step_op[1, ev_chunk[red], k - 1]
+    deps[red, 0] = position[producer[order][red]]
     if mode.startswith("overlap"):  # the last reduction on a stream implies the earlier ones
         last_reduce = np.full(p, -1, np.int64)
         np.maximum.at(last_reduce, ev_stage[red], op[red])
@@ -359,7 +399,33 @@ def _build_template(core: dict, mode: str) -> PipelineTemplate:
         dep_slot,
         out_slot,
         num_slots,
+        ev_segment,
+        segments,
     )
+
+
+def _split_last_backwards(core: dict, segments: tuple) -> dict:
+    """Replaces each chunk's last backward by its segments (in place in the issue order).
+
+    Ranks are rescaled so that segment ``j`` of a step of rank ``r`` gets
+    ``r + 2 j`` and its reduction ``r + 2 j + 1``, all below the next event.
+    """
+    scale = 2 * max(len(c) for c in segments) + 2
+    rank = core["rank"] * (scale // 2)
+    pieces = {name: [] for name in ("rank", "kind", "chunk", "mb", "stage", "stage2", "last_backward")}
+    segment, ends_grad = [], []
+    for i in range(len(core["rank"])):
+        c = int(core["chunk"][i])
+        count = len(segments[c]) if core["last_backward"][i] else 1
+        for j in range(count):
+            pieces["rank"].append(rank[i] + 2 * j)
+            for name in ("kind", "chunk", "mb", "stage", "stage2", "last_backward"):
+                pieces[name].append(core[name][i])
+            segment.append(j if core["last_backward"][i] else -1)
+            ends_grad.append(bool(core["last_backward"][i]) and segments[c][j])
+    out = {name: np.asarray(values) for name, values in pieces.items()}
+    out["last_backward"] = out["last_backward"].astype(bool)
+    return dict(core, **out, segment=np.asarray(segment, np.int64), ends_grad=np.asarray(ends_grad, bool))
 
 
 def _finish_slots(deps):

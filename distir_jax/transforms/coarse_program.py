@@ -41,6 +41,7 @@ __all__ = [
     "coarse_pipeline_program",
     "part_coefficients",
     "realize",
+    "segment_flags",
     "stage_devices",
     "stage_peak_memory",
     "transform_layers_per_chunk",
@@ -210,6 +211,7 @@ def chunk_tables(
     data: int = 1,
     zero: bool = False,
     mode: str = "none",
+    segments: bool = False,
 ) -> ChunkTables:
     """The tables of one configuration, for all of ``features``' size variants.
 
@@ -219,6 +221,9 @@ def chunk_tables(
       pipeline, microbatches: ``p`` and ``k`` (``k`` only sizes the resident
         token and label inputs).
       data, zero, mode: data-parallel degree, ZeRO, and :func:`data_mode`.
+      segments: append the rows of each chunk's last backward cut into
+        segments and of each gradient's reduction (mode ``"overlap"``, for a
+        template built with :func:`segment_flags`).
 
     Returns:
       A :class:`ChunkTables` with a leading ``S`` axis.
@@ -319,7 +324,82 @@ def chunk_tables(
     resident = np.broadcast_to(resident, (s, p)).copy()
     resident[:, 0] += data_inputs  # tokens, on the first chunk's stage
     resident[:, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
-    return ChunkTables(cost, alloc, free, resident)
+    tables = ChunkTables(cost, alloc, free, resident)
+    if segments:
+        if mode != "overlap":
+            raise ValueError(f"segments apply to mode 'overlap' only, got mode {mode!r}")
+        tables = _with_segments(tables, features, coef, k, data)
+    return tables
+
+
+def _chunk_segments(features: LayerFeatures, coef: np.ndarray):
+    """Per chunk, its last backward's segments in order: ``(part, segment, input freed here)``.
+
+    Backward order: the head, the blocks (the chunk's first block last), the
+    embedding; on a receiving chunk of an MLP the first part frees the
+    received input (see ``output_used_by_own_backward``).
+    """
+    n = coef.shape[0]
+    out = []
+    for c in range(n):
+        receives = c > 0 and features.output_used_by_own_backward
+        count = int(coef[c, _BLOCK])
+        parts = [(_HEAD, receives and count == 0)] if coef[c, _HEAD] else []
+        parts += [(_BLOCK, receives and b == count - 1) for b in range(count)]
+        parts += [(_EMBED, False)] if coef[c, _EMBED] else []
+        out.append([(q, j, freed) for q, freed in parts for j in range(features.segments[q].num_segments)])
+    return out
+
+
+def segment_flags(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> tuple:
+    """Per chunk, whether each segment of its last backward ends with a weight gradient
+    (the ``segments`` of :func:`~distir_jax.transforms.coarse_pipeline.pipeline_template`)."""
+    coef = part_coefficients(features, layers_per_chunk)
+    return tuple(
+        tuple(features.segments[q].grads[j] is not None for q, j, _ in chunk)
+        for chunk in _chunk_segments(features, coef)
+    )
+
+
+def _with_segments(tables: ChunkTables, features: LayerFeatures, coef, k: int, data: int) -> ChunkTables:
+    """``tables`` plus segment rows, then one reduction row per segment (zero for tails)."""
+    later = int(k > 1)  # the last microbatch adds to running sums unless it is the only one
+    chunks = _chunk_segments(features, coef)
+    total = sum(len(c) for c in chunks)
+    s = tables.cost.shape[0]
+    cost = np.zeros((s, 2 * total, _F))
+    alloc = np.zeros((s, 2 * total, 2))
+    free = np.zeros_like(alloc)
+    row = 0
+    for chunk in chunks:
+        for q, j, freed in chunk:
+            seg = features.segments[q]
+            cost[:, row] = seg.cost[j] + later * seg.accumulate[j][None, :]
+            alloc[:, row, 0] = seg.rise[later, int(freed), j]
+            free[:, row, 0] = seg.rise[later, int(freed), j] - seg.net[later, int(freed), j]
+            grad = seg.grads[j]
+            if grad is not None:  # its all-reduce: a new buffer, then the gradient goes
+                cost[:, total + row] = _all_reduce(grad, data)[None, :]
+                nbytes = float(np.max(grad.num_bytes))
+                alloc[:, total + row, 0] = nbytes
+                free[:, total + row, 0] = nbytes
+            row += 1
+    return ChunkTables(
+        np.concatenate([tables.cost, cost], axis=1),
+        np.concatenate([tables.alloc, alloc], axis=1),
+        np.concatenate([tables.free, free], axis=1),
+        tables.resident,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_reduce(grad, degree: int) -> np.ndarray:
+    from distir_jax.ir.registry import get_spec
+
+    f = get_spec("AllReduce").features({"group": tuple(range(degree)), "axis": 0}, (grad,), (grad,))
+    out = np.zeros(_F)
+    out[_VOLUME], out[_HOPS] = float(np.max(f.comm_volume)), float(np.max(f.comm_hops))
+    return out
 
 
 def _reduction_peak(features: LayerFeatures, coef: np.ndarray, p: int, data: int, zero: bool) -> np.ndarray:
@@ -464,6 +544,7 @@ def coarse_pipeline_program(
     layers_per_chunk: Sequence[int] | None = None,
     step_costs=None,
     num_streams: int | None = None,
+    overlap_segments: bool = False,
 ) -> Program:
     """The coarse Program of one hybrid-parallel training step.
 
@@ -480,6 +561,11 @@ def coarse_pipeline_program(
       step_costs: ``None`` for the fast issue order, or ``[p * v, 2]``
         estimates for the transform's order (see :func:`pipeline_template`).
       num_streams: streams per device (at least the mode's).
+      overlap_segments: with ``overlap`` (and no ZeRO), cut each chunk's last
+        backward after every weight gradient and reduce each gradient right
+        after its segment, as the data-parallel transform does (the fine
+        program's timeline); otherwise one reduction per chunk follows its
+        last backward (fewer ops, later reductions).
 
     Returns:
       A Program with features ``[S, N]`` (``N ~ 4 k v p``).
@@ -495,6 +581,10 @@ def coarse_pipeline_program(
             f"{features.num_blocks} blocks, got {list(layers)}"
         )
     mode = data_mode(int(data), bool(overlap), bool(zero))
-    template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs)
-    tables = chunk_tables(features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode)
+    segments = overlap_segments and mode == "overlap"
+    flags = segment_flags(features, layers) if segments else None
+    template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs, flags)
+    tables = chunk_tables(
+        features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode, segments=segments
+    )
     return realize(template, tables, topology, features.tensor, int(data), num_streams)

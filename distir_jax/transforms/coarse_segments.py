@@ -1,0 +1,193 @@
+"""A part's backward pass, replayed op by op from the measured fine block.
+
+Two users:
+
+* Memory of a backward pass in the variants a coarse program needs but the
+  measured block does not contain: on a later microbatch each weight
+  gradient is added to the running sum right after it is computed (the
+  pipeline transform's ``Add``: a new sum next to the old one and the
+  gradient, often a stage's peak), and on the first block of a pipeline chunk
+  a received input is freed after its last read (when the sender's own
+  backward keeps the original, as an MLP's Relu output).
+* Gradient overlap: the data-parallel transform issues each gradient's
+  reduction on stream 1 right after the gradient is final (after its ``Add``
+  on the last microbatch). A coarse program keeps that timeline by cutting
+  the last microbatch's backward of each chunk into *segments*, one ending
+  with each weight gradient plus a tail, each gradient segment followed by its
+  reduction.
+
+Replay rule (that of :func:`~distir_jax.lower.peak_memory`): an op allocates,
+the level peaks, then it frees. Costs are the ops' roofline split into linear
+terms on the measuring topology's first device, as
+:mod:`~distir_jax.transforms.coarse_fuse` does, so segments add up exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from distir_jax.cost import COST_FEATURES
+from distir_jax.ir.registry import get_spec
+
+__all__ = ["BackwardOps", "PartSegments", "add_features", "backward_ops", "linear_features"]
+
+_F = {name: i for i, name in enumerate(COST_FEATURES)}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartSegments:
+    """One part's backward, cut after each weight gradient (``m`` segments, the last a tail).
+
+    Attributes:
+      cost: ``[m, S, F]`` linear cost features of each segment's fine ops.
+      accumulate: ``[m, F]`` adding the segment's gradient to the running sum
+        (later microbatches only).
+      rise, net: ``[2, 2, m, S]`` memory of each segment by ``[later
+        microbatch, input freed here]``.
+      grads: the type of the gradient each segment ends with (None: the tail).
+    """
+
+    cost: np.ndarray
+    accumulate: np.ndarray
+    rise: np.ndarray
+    net: np.ndarray
+    grads: tuple
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardOps:
+    """The measured block's backward ops of each part, with their memory events.
+
+    Attributes:
+      ops: per part, fine op indices in program order.
+      alloc, free: ``[S, N]`` bytes each op allocates and frees on its first device.
+      input_freed: per op index, the bytes of the part's input last read there.
+      grads: per op index, the weight gradients it outputs (their types), in output order.
+    """
+
+    ops: tuple
+    alloc: np.ndarray
+    free: np.ndarray
+    input_freed: dict
+    grads: dict
+
+    def replay(self, part: int, later: bool, input_freed: bool, cuts: bool):
+        """``(rise, net)`` of the part's backward, ``[S]`` each, or ``[m, S]`` per segment with ``cuts``."""
+        s = self.alloc.shape[0]
+        level, peak = np.zeros(s), np.zeros(s)
+        rises, nets = [], []
+        for i in self.ops[part]:
+            peak = np.maximum(peak, level + self.alloc[:, i])
+            level = level + self.alloc[:, i] - self.free[:, i]
+            if input_freed:
+                level = level - self.input_freed.get(i, 0.0)
+            for grad in self.grads.get(i, ()):
+                if later:  # the Add into the running sum: new sum, then gradient and old sum go
+                    nbytes = np.asarray(grad.num_bytes, np.float64)
+                    peak = np.maximum(peak, level + nbytes)
+                    level = level - nbytes
+                if cuts:
+                    rises.append(peak)
+                    nets.append(level)
+                    level, peak = np.zeros(s), np.zeros(s)
+        if not cuts:
+            return peak, level
+        rises.append(peak)
+        nets.append(level)
+        return np.stack(rises), np.stack(nets)
+
+    def segments(self, part: int, features: np.ndarray, topology) -> PartSegments:
+        """The part's segments; ``features`` ``[S, N, F]`` are the fine ops' linear costs."""
+        cost, grads, current = [], [], np.zeros(features[:, 0].shape)
+        for i in self.ops[part]:
+            current = current + features[:, i]
+            for grad in self.grads.get(i, ()):
+                cost.append(current)
+                grads.append(grad)
+                current = np.zeros_like(current)
+        cost.append(current)
+        grads.append(None)
+        accumulate = np.stack([add_features(g, topology) for g in grads])
+        variants = [
+            [self.replay(part, later, freed, cuts=True) for freed in (False, True)] for later in (0, 1)
+        ]
+        rise = np.asarray([[r for r, _ in row] for row in variants])
+        net = np.asarray([[n for _, n in row] for row in variants])
+        return PartSegments(np.stack(cost), accumulate, rise, net, tuple(grads))
+
+
+def backward_ops(fn, fine, labels, num_variants: int) -> BackwardOps:
+    """The backward ops of parts 0..2 of a measured block (``labels``: ``(part, "F" / "B")``
+    per op, ``("opt", part)`` for optimizer updates)."""
+
+    def per_variant(x):
+        x = np.asarray(x, np.float64)[..., 0]  # the op's first slot: device 0
+        return np.broadcast_to(x, (num_variants,) + x.shape[-1:])
+
+    producer = {v.name: i for i, op in enumerate(fn.ops) for v in op.outputs}
+    type_of = {v.name: v.type for op in fn.ops for v in op.outputs}
+    # What the optimizer updates with: the sums a pipeline accumulates.
+    updated = {op.inputs[1].name for op, (kind, _) in zip(fn.ops, labels, strict=True) if kind == "opt"}
+    ops: list[list[int]] = [[], [], []]
+    last_read: dict[tuple[int, str], int] = {}  # (part, its input) -> op of the last read in its backward
+    grads: dict[int, list] = {}
+    for i, (op, (part, direction)) in enumerate(zip(fn.ops, labels, strict=True)):
+        if direction != "B" or part == "opt":
+            continue
+        ops[part].append(i)
+        for v in op.inputs:
+            j = producer.get(v.name)
+            if j is not None and labels[j] == (part - 1, "F"):
+                last_read[(part, v.name)] = i
+        found = [v.type for v in op.outputs if v.name in updated]
+        if found:
+            grads[i] = found
+    input_freed: dict[int, np.ndarray] = {}
+    for (_, name), i in last_read.items():
+        input_freed[i] = input_freed.get(i, 0.0) + np.asarray(type_of[name].num_bytes, np.float64)
+    return BackwardOps(
+        tuple(tuple(p) for p in ops),
+        per_variant(fine.alloc_bytes),
+        per_variant(fine.free_bytes),
+        input_freed,
+        grads,
+    )
+
+
+def linear_features(fine, topology, num_variants: int) -> np.ndarray:
+    """``[S, N, F]`` each fine op's cost as linear terms (roofline split on device 0)."""
+    n = int(fine.num_ops)
+    f = {
+        name: np.broadcast_to(np.asarray(getattr(fine, name), np.float64), (num_variants, n))
+        for name in COST_FEATURES
+    }
+    # The comparison coarse_fuse makes, so both classify every op alike.
+    per_flop, per_byte = 1.0 / topology.peak_flops[0], 1.0 / topology.memory_bandwidth[0]
+    compute_bound = f["flops"] * per_flop >= f["mem_bytes"] * per_byte
+    out = np.zeros((num_variants, n, len(COST_FEATURES)))
+    for name in ("launches", "linear_flops", "linear_bytes", "comm_volume", "comm_hops"):
+        out[..., _F[name]] = f[name]
+    out[..., _F["linear_flops"]] += np.where(compute_bound, f["flops"], 0.0)
+    out[..., _F["linear_bytes"]] += np.where(compute_bound, 0.0, f["mem_bytes"])
+    return out
+
+
+def add_features(grad, topology) -> np.ndarray:
+    """Linear features of adding gradient ``grad`` to its running sum (zero for None)."""
+    out = np.zeros(len(COST_FEATURES))
+    if grad is None:
+        return out
+    f = get_spec("Add").features({}, (grad, grad), (grad,))
+    flops, traffic = float(np.max(f.flops)), float(np.max(f.mem_bytes))
+    out[_F["launches"]] = 1.0
+    if flops * (1.0 / topology.peak_flops[0]) >= traffic * (1.0 / topology.memory_bandwidth[0]):
+        out[_F["linear_flops"]] = flops
+    else:
+        out[_F["linear_bytes"]] = traffic
+    return out
