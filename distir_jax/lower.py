@@ -19,8 +19,9 @@ import jax
 import numpy as np
 
 from distir_jax.cost import COST_FEATURES
+from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function
-from distir_jax.ir.registry import get_spec
+from distir_jax.ir.registry import cached_features, get_spec
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.typecheck import infer_types
 
@@ -125,6 +126,7 @@ class Capacity:
         return Capacity(*(up(n) for n in dataclasses.astuple(self)))
 
 
+@gc_paused
 def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -> Program:
     """Lowers ``fn`` on ``topology`` to a :class:`Program`.
 
@@ -138,44 +140,56 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
     """
     if any(v.type is None for op in fn.ops for v in op.outputs):
         fn = infer_types(fn)
-    topology.check_devices(fn.devices, f"function {fn.name!r}")
-    num_devices = topology.num_devices
-    streams = fn.num_streams if num_streams is None else int(num_streams)
-    if streams < fn.num_streams:
-        raise ValueError(f"num_streams={streams}, but function {fn.name!r} uses stream {fn.num_streams - 1}")
-    n = len(fn.ops)
     op_devices = [op.devices for op in fn.ops]
+    used = {v.type.device for v in fn.inputs if v.type is not None}  # fn.devices, from op_devices
+    for devices in op_devices:
+        used.update(devices)
+    topology.check_devices(tuple(sorted(used)), f"function {fn.name!r}")
+    num_devices = topology.num_devices
+    op_streams = [op.stream for op in fn.ops]
+    used_streams = 1 + max(op_streams, default=0)  # fn.num_streams
+    streams = used_streams if num_streams is None else int(num_streams)
+    if streams < used_streams:
+        raise ValueError(f"num_streams={streams}, but function {fn.name!r} uses stream {used_streams - 1}")
+    n = len(fn.ops)
     k = max([1] + [len(d) for d in op_devices])
-    resource = np.full((n, k), NO_RESOURCE, np.int32)
-    slot_device = np.full((n, k), NO_DEVICE, np.int32)
-    link = np.zeros((n, 2), np.int32)
-    is_comm = np.zeros(n, bool)
-    features = {name: [] for name in COST_FEATURES}
+    resources = []
+    links = []
+    is_comm = []
+    columns = [[] for _ in COST_FEATURES]
+    # Copies of an op (per microbatch, replica or repeated layer) share a group;
+    # its check and link are pure functions of it, so each is computed once.
+    link_cache: dict[tuple, tuple] = {}
     for i, op in enumerate(fn.ops):
-        devices = op_devices[i]
-        resource[i, : len(devices)] = [d * streams + op.stream for d in devices]
-        slot_device[i, : len(devices)] = devices
+        stream = op_streams[i]
+        resources.append([d * streams + stream for d in op_devices[i]])
         spec = get_spec(op.op_type)
-        f = spec.features(op.attr_dict, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs))
-        is_comm[i] = f.is_comm
-        topology.check_devices(op.comm_group, f"op #{i} {op.op_type}'s group")
-        link[i] = topology.bottleneck_link(op.comm_group)
-        for name, value in f.cost_features().items():
-            features[name].append(value)
-    dep_slot, out_slot, num_slots = _finish_slots(fn, resource)
-    alloc, free, resident = _memory_events(fn, op_devices, k, num_devices)
+        f = cached_features(spec, op, tuple([v.type for v in op.inputs]), tuple([v.type for v in op.outputs]))
+        is_comm.append(f.is_comm)
+        values = f.cost_features()
+        for column, name in zip(columns, COST_FEATURES):
+            column.append(values[name])
+        group = op.attr("group")  # op.comm_group, reusing op_devices
+        group = tuple(int(d) for d in group) if group else op_devices[i]
+        link = link_cache.get(group)
+        if link is None:
+            topology.check_devices(group, f"op #{i} {op.op_type}'s group")
+            link = link_cache[group] = topology.bottleneck_link(group)
+        links.append(link)
+    resource = _padded_rows(resources, k, NO_RESOURCE)
+    slot_device = _padded_rows(op_devices, k, NO_DEVICE)
+    dep_slot, out_slot, num_slots = _finish_slots(fn, resources)
+    alloc_bytes, free_bytes, resident = _memory_events(fn, op_devices, k, num_devices)
     resource_device = np.repeat(np.arange(num_devices, dtype=np.int32), streams)
-    stacked = {name: _stack_variants(values) for name, values in features.items()}
-    alloc_bytes = _stack_variants(alloc, trailing=(k,))
-    free_bytes = _stack_variants(free, trailing=(k,))
+    stacked = {name: _stack_variants(column) for name, column in zip(COST_FEATURES, columns)}
     resident_bytes = _stack_variants(resident)
     return Program(
         resource=resource,
         slot_device=slot_device,
         dep_slot=dep_slot,
         out_slot=out_slot,
-        link=link,
-        is_comm=is_comm,
+        link=np.array(links, np.int32).reshape(n, 2),
+        is_comm=np.array(is_comm, bool).reshape(n),
         resource_device=resource_device,
         num_ops=np.asarray(n, np.int32),
         alloc_bytes=alloc_bytes,
@@ -187,37 +201,37 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
     )
 
 
-def _stack_variants(values, trailing=()) -> np.ndarray:
-    """Stacks per-op scalars (or per-variant vectors) into ``[..., N, *trailing]``.
+def _padded_rows(rows: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:
+    """``[len(rows), width]`` int32 rows, each padded with ``fill``."""
+    flat = []
+    for row in rows:
+        flat.extend(row)
+        flat.extend([fill] * (width - len(row)))
+    return np.array(flat, np.int32).reshape(len(rows), width)
 
-    Entries may be plain numbers or ``[S]`` arrays of size variants; when any
-    is a vector the result gets a leading ``S`` axis.
-    """
-    sizes = {x.shape[0] for x in _flat(values) if isinstance(x, np.ndarray) and x.ndim == 1}
+
+def _stack_variants(values) -> np.ndarray:
+    """Stacks per-op numbers or ``[S]`` vectors of size variants into ``[N]``, or ``[S, N]``
+    when any entry is a vector."""
+    if not any(issubclass(t, np.ndarray) for t in set(map(type, values))):  # no array at all: quick
+        return np.asarray(values, np.float64).reshape(len(values))
+    vectors = [i for i, x in enumerate(values) if isinstance(x, np.ndarray) and x.ndim == 1]
+    if not vectors:
+        return np.asarray(values, np.float64).reshape(len(values))
+    sizes = {values[i].shape[0] for i in vectors}
     if len(sizes) > 1:
         raise ValueError(f"size-variant dims disagree on the number of variants: {sorted(sizes)}")
-    if not sizes:
-        return np.asarray(values, np.float64).reshape((len(values),) + trailing)
     (s,) = sizes
-    out = np.empty((s, len(values)) + trailing, np.float64)
-    for i, x in enumerate(values):
-        if trailing:
-            for j, y in enumerate(x):
-                out[:, i, j] = y
-        else:
-            out[:, i] = x
+    out = np.empty((s, len(values)), np.float64)
+    is_vector = np.zeros(len(values), bool)
+    is_vector[vectors] = True
+    numbers = np.flatnonzero(~is_vector)
+    out[:, numbers] = np.asarray([values[i] for i in numbers], np.float64).reshape(len(numbers))
+    out[:, vectors] = np.stack([values[i] for i in vectors], axis=1)
     return out
 
 
-def _flat(values):
-    for x in values:
-        if isinstance(x, (list, tuple)):
-            yield from x
-        else:
-            yield x
-
-
-def _finish_slots(fn: Function, resource: np.ndarray):
+def _finish_slots(fn: Function, resources: Sequence[Sequence[int]]):
     """Which dependencies the kernel must read, and where finish times live.
 
     A dependency on a single-resource op that ran on one of the consumer's own
@@ -225,12 +239,16 @@ def _finish_slots(fn: Function, resource: np.ndarray):
     least the producer's finish), so it is dropped. The remaining producers get
     a finish-time slot (:func:`allocate_finish_slots`), which keeps V, and the
     kernel's carry, small.
+
+    Args:
+      fn: the program.
+      resources: per op, the resources it occupies (unpadded).
     """
     producer = fn.producers()
-    single = [(int(r[0]) if (r != NO_RESOURCE).sum() == 1 else None) for r in resource]
+    single = [(row[0] if len(row) == 1 else None) for row in resources]
     deps: list[list[int]] = []
     for i, op in enumerate(fn.ops):
-        mine = set(int(x) for x in resource[i] if x != NO_RESOURCE)
+        mine = set(resources[i])
         needed = []
         for v in op.inputs:
             j = producer.get(v.name)
@@ -259,13 +277,13 @@ def allocate_finish_slots(deps: Sequence[Sequence[int]]):
     for j, i in last_reader.items():
         expiring.setdefault(i, []).append(j)
     width = max([1] + [len(d) for d in deps])
-    dep_slot = np.full((n, width), NO_SLOT, np.int32)
-    out_slot = np.full(n, NO_SLOT, np.int32)
+    dep_rows = []
+    out_slot = [NO_SLOT] * n
     slot_of: dict[int, int] = {}
     free: list[int] = []
     num_slots = 0
     for i in range(n):
-        dep_slot[i, : len(deps[i])] = [slot_of[j] for j in deps[i]]
+        dep_rows.append([slot_of[j] for j in deps[i]])
         for j in expiring.get(i, ()):  # readers read before the op writes
             free.append(slot_of[j])
         if i in last_reader:
@@ -275,12 +293,18 @@ def allocate_finish_slots(deps: Sequence[Sequence[int]]):
                 slot, num_slots = num_slots, num_slots + 1
             slot_of[i] = slot
             out_slot[i] = slot
-    return dep_slot, out_slot, max(num_slots, 1)
-
+    dep_slot = _padded_rows(dep_rows, width, NO_SLOT)
+    return dep_slot, np.array(out_slot, np.int32).reshape(n), max(num_slots, 1)
 
 
 def _memory_events(fn: Function, op_devices, k: int, num_devices: int):
-    """Per-op, per-slot bytes allocated and freed, and resident bytes per device."""
+    """Bytes allocated before and freed after each op on each slot's device, and resident bytes.
+
+    Returns:
+      ``(alloc_bytes, free_bytes, resident)``: ``[N, K]`` arrays (``[S, N, K]``
+      when a counted buffer has size variants) and, per device, a number or an
+      ``[S]`` vector.
+    """
     buffer_of: dict[str, str] = {}
     size: dict[str, object] = {}
     device_of: dict[str, int] = {}
@@ -292,8 +316,11 @@ def _memory_events(fn: Function, op_devices, k: int, num_devices: int):
         device_of[v.name] = v.type.device
         pinned.add(v.name)
         resident[v.type.device] = resident[v.type.device] + v.type.num_bytes
+    aliases_of: dict[str, dict[int, int]] = {}
     for op in fn.ops:
-        aliases = dict(get_spec(op.op_type).aliases)
+        aliases = aliases_of.get(op.op_type)
+        if aliases is None:
+            aliases = aliases_of[op.op_type] = dict(get_spec(op.op_type).aliases)
         for o, v in enumerate(op.outputs):
             if o in aliases:
                 buffer_of[v.name] = buffer_of[op.inputs[aliases[o]].name]
@@ -304,24 +331,42 @@ def _memory_events(fn: Function, op_devices, k: int, num_devices: int):
     pinned.update(buffer_of[v.name] for v in fn.outputs)
     last_use: dict[str, int] = {}
     for i, op in enumerate(fn.ops):
-        for v in op.inputs + op.outputs:
+        for v in op.inputs:
             last_use[buffer_of[v.name]] = i
-    alloc, free = [], []
+        for v in op.outputs:
+            last_use[buffer_of[v.name]] = i
+    # Events (op, slot, buffer), in program order; a slot's bytes are their sum.
+    alloc = []
     for i, op in enumerate(fn.ops):
-        slot = {d: s for s, d in enumerate(op_devices[i])}
-        a = [0.0] * k
-        f = [0.0] * k
         for v in op.outputs:
             if buffer_of[v.name] == v.name:
-                s = slot[v.type.device]
-                a[s] = a[s] + size[v.name]
-        for buf in {buffer_of[v.name] for v in op.inputs + op.outputs}:
-            if last_use[buf] == i and buf not in pinned:
-                s = slot[device_of[buf]]
-                f[s] = f[s] + size[buf]
-        alloc.append(a)
-        free.append(f)
-    return alloc, free, resident
+                alloc.append((i, op_devices[i].index(v.type.device), v.name))
+    free = [(i, op_devices[i].index(device_of[buf]), buf) for buf, i in last_use.items() if buf not in pinned]
+    n = len(fn.ops)
+    return _event_bytes(alloc, size, n, k), _event_bytes(free, size, n, k), resident
+
+
+def _event_bytes(events, size: dict, n: int, k: int) -> np.ndarray:
+    """Sums each event's buffer size into its ``(op, slot)`` cell: ``[N, K]``, or ``[S, N, K]``
+    when any of the sizes is a vector of size variants."""
+    ops = np.array([e[0] for e in events], np.intp)
+    slots = np.array([e[1] for e in events], np.intp)
+    sizes = [size[e[2]] for e in events]
+    vectors = [j for j, x in enumerate(sizes) if isinstance(x, np.ndarray)]
+    if not vectors:
+        out = np.zeros((n, k), np.float64)
+        np.add.at(out, (ops, slots), np.array(sizes, np.float64).reshape(len(sizes)))
+        return out
+    lengths = {sizes[j].shape[0] for j in vectors}
+    if len(lengths) > 1:
+        raise ValueError(f"size-variant dims disagree on the number of variants: {sorted(lengths)}")
+    (s,) = lengths
+    values = np.empty((len(sizes), s), np.float64)
+    for j, x in enumerate(sizes):
+        values[j] = x
+    out = np.zeros((n, k, s), np.float64)
+    np.add.at(out, (ops, slots), values)
+    return np.ascontiguousarray(out.transpose(2, 0, 1))
 
 
 def peak_memory(slot_device, alloc_bytes, free_bytes, resident_bytes) -> np.ndarray:

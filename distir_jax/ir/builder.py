@@ -69,7 +69,7 @@ class FunctionBuilder:
         outputs = tuple(
             Value(self._fresh(None if names is None else names[i]), t) for i, t in enumerate(out_types)
         )
-        self._ops.append(Op(op_type, inputs, outputs, probe.attrs))
+        self._ops.append(probe._with_values(inputs, outputs))
         return outputs[0] if len(outputs) == 1 else outputs
 
     def build(self, *outputs: Value) -> Function:

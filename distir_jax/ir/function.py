@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from distir_jax.ir.registry import attrs_cache_key
 from distir_jax.ir.types import TensorType
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -27,6 +28,42 @@ def check_name(name: str, what: str) -> str:
             "starting with a letter or '_'"
         )
     return name
+
+
+# Attribute names already checked. Programs use a few dozen distinct names, so
+# remembering them skips a regex match per attribute of every op; the bound
+# only keeps unusual inputs from growing it without limit.
+_CHECKED_ATTR_NAMES: set[str] = set()
+_MAX_CHECKED_ATTR_NAMES = 4096
+_SCALAR_TYPES = frozenset((bool, int, float, str))
+
+
+def _check_attr_name(name: str) -> None:
+    check_name(name, "attribute")
+    if type(name) is str and len(_CHECKED_ATTR_NAMES) < _MAX_CHECKED_ATTR_NAMES:
+        _CHECKED_ATTR_NAMES.add(name)
+
+
+def _freeze_attrs(attrs) -> tuple[tuple[str, AttrValue], ...]:
+    """Checks and freezes attributes (a dict or ``(key, value)`` pairs), in the
+    given order, then sorts them by key."""
+    if isinstance(attrs, dict):
+        # Known names and plain scalar values, checked by C loops: the checks
+        # below would accept them unchanged.
+        if _CHECKED_ATTR_NAMES.issuperset(attrs) and _SCALAR_TYPES.issuperset(map(type, attrs.values())):
+            return tuple(sorted(attrs.items()))
+        attrs = attrs.items()
+    frozen = []
+    for key, value in attrs:
+        # Known names and plain scalars (the common case) skip the full checks,
+        # which would accept them unchanged.
+        if type(key) is not str or key not in _CHECKED_ATTR_NAMES:
+            _check_attr_name(key)
+        if type(value) not in _SCALAR_TYPES:
+            value = _freeze_attr(key, value)
+        frozen.append((key, value))
+    frozen.sort()
+    return tuple(frozen)
 
 
 def _freeze_attr(key: str, value: AttrValue) -> AttrValue:
@@ -52,7 +89,8 @@ class Value:
     type: TensorType | None = None
 
     def __post_init__(self):
-        check_name(self.name, "value")
+        if type(self.name) is not str or not _NAME_RE.match(self.name):  # check_name, inlined
+            check_name(self.name, "value")
 
     def with_type(self, type_: TensorType) -> Value:
         return Value(self.name, type_)
@@ -74,9 +112,24 @@ class Op:
     def __post_init__(self):
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
-        attrs = self.attrs.items() if isinstance(self.attrs, dict) else self.attrs
-        frozen = tuple(sorted((check_name(k, "attribute"), _freeze_attr(k, v)) for k, v in attrs))
-        object.__setattr__(self, "attrs", frozen)
+        object.__setattr__(self, "attrs", _freeze_attrs(self.attrs))
+        # The attributes as a key of rule caches (see registry.rule_cache_key).
+        object.__setattr__(self, "_attrs_cache_key", attrs_cache_key(self.attrs))
+
+    def _with_values(self, inputs: tuple[Value, ...], outputs: tuple[Value, ...]) -> Op:
+        """This op with other operands and results.
+
+        Its attrs were frozen and checked when it was made, so they are not
+        checked again: builders and transforms make every op twice (a probe to
+        infer types, then the op with typed results).
+        """
+        op = object.__new__(Op)
+        object.__setattr__(op, "op_type", self.op_type)
+        object.__setattr__(op, "inputs", tuple(inputs))
+        object.__setattr__(op, "outputs", tuple(outputs))
+        object.__setattr__(op, "attrs", self.attrs)
+        object.__setattr__(op, "_attrs_cache_key", getattr(self, "_attrs_cache_key", None))
+        return op
 
     @property
     def attr_dict(self) -> dict[str, AttrValue]:

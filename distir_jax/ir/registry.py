@@ -113,6 +113,123 @@ def registered_op_types() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+# Attributes that annotate an op for transforms and schedules: its place in the
+# model, the pipeline and the streams, and tensor-parallel hints. No built-in
+# shape rule or cost feature reads them (tests/test_build_speed_invariants.py
+# checks this), so results cached by :func:`rule_cache_key` ignore them.
+ANNOTATION_ATTRS = frozenset(
+    (
+        "layer",
+        "phase",
+        "stage",
+        "chunk",
+        "microbatch",
+        "stream",
+        "grad_of",
+        "weight",
+        "tp",
+        "tp_axis",
+        "recompute",
+    )
+)
+_SCALAR_TYPES = frozenset((bool, int, float, str))
+# Modules whose rules are the built-in ones: pure functions of their arguments.
+_BUILTIN_RULE_MODULES = frozenset(
+    "distir_jax.ir." + m
+    for m in ("ops_comm", "ops_compute", "ops_loss", "ops_nn", "ops_optim", "ops_shape", "shape_rules")
+)
+
+
+def rule_cache_key(rule: Callable, op, *type_groups: tuple[TensorType, ...]) -> tuple | None:
+    """A key under which ``rule``'s result for ``op``'s attributes and the type groups may be reused.
+
+    Built-in shape rules and features are pure functions of the attributes they
+    read and of the operand types, and an op copied per microbatch or replica
+    differs from its copies only in annotations. So the key is the rule, the
+    op's :func:`attrs_cache_key` and the types. Returns ``None`` (do not cache)
+    for a rule that is not built in, whose side effects and reads are unknown,
+    and for unhashable attributes.
+
+    Args:
+      rule: the spec's ``infer`` or ``features`` function.
+      op: the :class:`~distir_jax.ir.Op` (its attributes' key is computed once per op).
+      type_groups: tuples of :class:`TensorType` (operands; results).
+    """
+    if getattr(rule, "__module__", None) not in _BUILTIN_RULE_MODULES:
+        return None
+    attrs = getattr(op, "_attrs_cache_key", None)
+    if attrs is None:
+        return None
+    types = []
+    for group in type_groups:
+        keys = tuple([t.cache_key if type(t) is TensorType else None for t in group])
+        if None in keys:
+            return None
+        types.append(keys)
+    return (rule, attrs, tuple(types))
+
+
+# Features of built-in ops by rule_cache_key (see cached_features). Cleared when
+# full, to bound memory.
+_FEATURES_CACHE: dict[tuple, OpFeatures] = {}
+_MAX_FEATURES_CACHE = 1 << 16
+
+
+def cached_features(
+    spec: OpSpec, op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]
+) -> OpFeatures:
+    """``spec.features(op.attr_dict, ins, outs)``, computed once per distinct key.
+
+    Copies of an op (per microbatch, replica or repeated layer) have equal
+    features. The result is shared, so its size-variant arrays are made
+    read-only.
+    """
+    key = rule_cache_key(spec.features, op, ins, outs)
+    if key is not None:
+        cached = _FEATURES_CACHE.get(key)
+        if cached is not None:
+            return cached
+    features = spec.features(op.attr_dict, ins, outs)
+    if key is not None:
+        for field in dataclasses.fields(features):
+            value = getattr(features, field.name)
+            if isinstance(value, np.ndarray):
+                value.setflags(write=False)
+        if len(_FEATURES_CACHE) >= _MAX_FEATURES_CACHE:
+            _FEATURES_CACHE.clear()
+        _FEATURES_CACHE[key] = features
+    return features
+
+
+def attrs_cache_key(attrs: tuple) -> tuple | None:
+    """Frozen attributes without annotations, each with the exact types of its value.
+
+    ``1``, ``1.0`` and ``True`` are equal in Python but a rule may check them
+    differently, so the types are part of the key. ``None`` when a value is unhashable.
+    """
+    kept = []
+    for k, v in attrs:
+        if k in ANNOTATION_ATTRS:
+            continue
+        t = type(v)
+        if t is str:
+            kept.append((k, v))
+            continue
+        if t is tuple:
+            item_types = tuple(map(type, v))
+            hashable = _SCALAR_TYPES.issuperset(item_types)
+            kept.append((k, v, item_types))
+        else:
+            hashable = t in _SCALAR_TYPES  # else a subclass: a NamedTuple, a NumPy scalar
+            kept.append((k, v, t))
+        if not hashable:
+            try:
+                hash(v)
+            except TypeError:
+                return None
+    return tuple(kept)
+
+
 _LOADED = False
 
 

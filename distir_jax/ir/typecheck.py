@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function, Op, Value
-from distir_jax.ir.registry import OpError, get_spec
+from distir_jax.ir.registry import OpError, get_spec, rule_cache_key
 from distir_jax.ir.shape_rules import shape_str
 from distir_jax.ir.types import TensorType
 
@@ -13,12 +14,28 @@ def _where(op: Op, index: int) -> str:
     return f"op #{index} {op.op_type}" + (f" (-> {outs})" if outs else "")
 
 
+# Results of built-in shape rules by rule_cache_key: transforms copy each op per
+# microbatch and replica, and a model repeats layers, so most ops repeat an
+# earlier op's rule, attributes and operand types. Only successes are stored, so
+# a bad op still raises its own error. Cleared when full, to bound memory.
+_INFER_CACHE: dict[tuple, tuple[TensorType, ...]] = {}
+_MAX_INFER_CACHE = 1 << 16
+
+
 def infer_op_types(op: Op, index: int, input_types: tuple[TensorType, ...]) -> tuple[TensorType, ...]:
     """Output types of one op, with errors that name the op and its position."""
     try:
         spec = get_spec(op.op_type)
     except ValueError as e:
         raise ValueError(f"{_where(op, index)}: {e}") from None
+    # The operand-count and device checks below depend only on the spec and the
+    # types, so they are part of the key too.
+    key = rule_cache_key(spec.infer, op, input_types)
+    if key is not None:
+        key = (key, spec.num_inputs, spec.single_device)
+        cached = _INFER_CACHE.get(key)
+        if cached is not None:
+            return cached
     if spec.num_inputs is not None and len(input_types) != spec.num_inputs:
         raise ValueError(f"{_where(op, index)}: expected {spec.num_inputs} operands, got {len(input_types)}")
     if spec.single_device:
@@ -36,9 +53,14 @@ def infer_op_types(op: Op, index: int, input_types: tuple[TensorType, ...]) -> t
             f"%{v.name}: {shape_str(t.shape)} {t.dtype} d{t.device}" for v, t in zip(op.inputs, input_types)
         )
         raise ValueError(f"{_where(op, index)}: {e} (operands: {operands})") from None
+    if key is not None:
+        if len(_INFER_CACHE) >= _MAX_INFER_CACHE:
+            _INFER_CACHE.clear()
+        _INFER_CACHE[key] = out_types
     return out_types
 
 
+@gc_paused
 def infer_types(fn: Function) -> Function:
     """Returns ``fn`` with every op output typed.
 
@@ -77,11 +99,9 @@ def infer_types(fn: Function) -> Function:
                 )
             types[v.name] = t
         new_ops.append(
-            Op(
-                op.op_type,
+            op._with_values(
                 tuple(Value(v.name, types[v.name]) for v in op.inputs),
                 tuple(Value(v.name, t) for v, t in zip(op.outputs, out_types)),
-                op.attrs,
             )
         )
     for v in fn.outputs:

@@ -36,6 +36,8 @@ def check_dtype(dtype: str) -> str:
 
 def normalize_dim(dim) -> Dim:
     """Returns ``dim`` as an int, or as a read-only int64 vector of variants."""
+    if type(dim) is int and dim >= 0:  # the common case, first (bool is not an exact int)
+        return dim
     if isinstance(dim, (bool, np.bool_)):
         raise ValueError(f"dimension must be an integer, got {dim!r}")
     if isinstance(dim, (int, np.integer)):
@@ -58,10 +60,14 @@ def normalize_dim(dim) -> Dim:
 
 def dims_equal(a: Dim, b: Dim) -> bool:
     """True when two dimensions agree for every size variant."""
+    if type(a) is int and type(b) is int:
+        return a == b
     return bool(np.all(np.asarray(a) == np.asarray(b)))
 
 
 def dim_divides(dim: Dim, parts: int) -> bool:
+    if type(dim) is int and type(parts) is int and parts > 0:
+        return dim % parts == 0
     return bool(np.all(np.asarray(dim) % parts == 0))
 
 
@@ -80,6 +86,31 @@ def num_elements(shape: tuple[Dim, ...]) -> Dim:
 
 def has_variants(shape: tuple[Dim, ...]) -> bool:
     return any(isinstance(d, np.ndarray) for d in shape)
+
+
+class cached_attribute:
+    """A value computed on first read and stored on the instance, so later reads
+    never reach this descriptor; for immutable objects (a frozen dataclass's
+    ``__setattr__`` is bypassed). Unlike ``functools.cached_property`` it takes
+    no lock and does not materialize the instance ``__dict__``, which cost about
+    a microsecond per first read.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = self.fn(obj)
+        # Not obj.__dict__[...]: reading __dict__ makes Python build the dict (slow).
+        object.__setattr__(obj, self.name, value)
+        return value
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,13 +138,27 @@ class TensorType:
     def rank(self) -> int:
         return len(self.shape)
 
-    @property
-    def num_elements(self) -> Dim:
-        return num_elements(self.shape)
+    # The type is immutable, so sizes and the cache key are computed once, on first
+    # use. Size-variant results are made read-only: they are shared by every
+    # reader, and an in-place update would otherwise change the type.
 
-    @property
+    @cached_attribute
+    def num_elements(self) -> Dim:
+        return _read_only(num_elements(self.shape))
+
+    @cached_attribute
     def num_bytes(self) -> Dim:
-        return self.num_elements * DTYPE_BYTES[self.dtype]
+        return _read_only(self.num_elements * DTYPE_BYTES[self.dtype])
+
+    @cached_attribute
+    def cache_key(self) -> tuple:
+        """A hashable key equal for equal types (``__eq__`` is exact; this is its hashable form).
+
+        Size-variant dims become tuples of ints: a normalized vector is never all
+        equal, so it cannot collide with an int dim.
+        """
+        shape = tuple(d if type(d) is int else tuple(d.tolist()) for d in self.shape)
+        return (shape, self.dtype, self.device)
 
     def with_shape(self, shape) -> TensorType:
         return TensorType(tuple(shape), self.dtype, self.device)
@@ -137,3 +182,9 @@ class TensorType:
     def __str__(self) -> str:
         dims = "x".join(dim_str(d) for d in self.shape)
         return f"Tensor[{dims}; {self.dtype}; d{self.device}]"
+
+
+def _read_only(dim: Dim) -> Dim:
+    if isinstance(dim, np.ndarray):
+        dim.setflags(write=False)
+    return dim

@@ -65,6 +65,7 @@ Annotation contract (what parallelism transforms may rely on; checked by
   ``logits`` ``[B, S, V]`` (transformer) or ``l{L}.h`` ``[B, H]`` (MLP).
 """
 
+from distir_jax.ir._gc import gc_paused
 from distir_jax.models.config import (
     MLPConfig,
     TransformerConfig,
@@ -108,6 +109,7 @@ __all__ = [
 ]
 
 
+@gc_paused
 def build_training_step(config, batch_size, *, optimizer: str = "sgd", lr: float = 1e-3):
     """The training step of either model kind; ``config`` may be a preset name."""
     if isinstance(config, str):
@@ -116,6 +118,7 @@ def build_training_step(config, batch_size, *, optimizer: str = "sgd", lr: float
     return builder(config, batch_size, optimizer=optimizer, lr=lr)
 
 
+@gc_paused
 def build_inference(config, batch_size):
     """The inference program of either model kind; ``config`` may be a preset name."""
     if isinstance(config, str):

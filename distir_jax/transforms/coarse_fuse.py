@@ -224,7 +224,6 @@ def prune_implied(deps: Sequence[Sequence[int]], resources: Sequence[Sequence[in
     return kept
 
 
-
 def _fused_program(program, topology, n, groups, order, member_group, dep_slot, out_slot, num_slots):
     g_count = len(groups)
     first = np.asarray([groups[g][0] for g in order])

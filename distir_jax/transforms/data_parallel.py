@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.builder import FunctionBuilder
 from distir_jax.ir.function import Function, Op, Value
 from distir_jax.ir.typecheck import infer_types
@@ -89,6 +90,7 @@ class _Grad(NamedTuple):
         return dict(layer=self.layer, phase=phase)
 
 
+@gc_paused
 def data_parallel(
     program: Program,
     degree: int,

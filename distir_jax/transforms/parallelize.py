@@ -16,6 +16,7 @@ import re
 
 import numpy as np
 
+from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.types import dim_str, normalize_dim
 from distir_jax.transforms.base import Distributed, Program, as_distributed
 from distir_jax.transforms.data_parallel import data_parallel
@@ -205,6 +206,7 @@ def _call(transform, program, *args, representative_only=False, **kwargs) -> Dis
     return transform(program, *args, **kwargs)
 
 
+@gc_paused
 def parallelize(fn: Program, config: ParallelConfig, *, representative_only: bool = False) -> Distributed:
     """Applies ``config`` to a single-device training program.
 

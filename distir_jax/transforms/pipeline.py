@@ -37,8 +37,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function, Op, Value
-from distir_jax.ir.registry import get_spec
+from distir_jax.ir.registry import cached_features, get_spec
 from distir_jax.ir.typecheck import infer_op_types, infer_types
 from distir_jax.ir.types import TensorType, dim_divides, dim_str
 from distir_jax.models.contract import grad_of
@@ -51,6 +52,7 @@ _WEIGHT_RE = re.compile(r"^l\d+\.")
 _OPT = "O"  # the kind of optimizer ops, next to the step directions "F" and "B"
 
 
+@gc_paused
 def pipeline_parallel(
     program: Program,
     degree: int,
@@ -225,7 +227,7 @@ def _check_batch(fn: Function, data: set[str], k: int) -> None:
 
 def _op_flops(op: Op) -> float:
     spec = get_spec(op.op_type)
-    f = spec.features(op.attr_dict, tuple(x.type for x in op.inputs), tuple(x.type for x in op.outputs))
+    f = cached_features(spec, op, tuple(x.type for x in op.inputs), tuple(x.type for x in op.outputs))
     # Size variants: balance for their mean.
     return float(np.mean(np.asarray(f.flops, dtype=np.float64)))
 
@@ -296,6 +298,7 @@ class _Builder:
         self.num_chunks = max(chunks, default=0) + 1
         self.producer = fn.producers()
         self.types: dict[str, TensorType] = {}
+        self.values: dict[str, Value] = {}  # the same names, as Values (made once, reused as operands)
         self.ops: list[Op] = []
         self.inputs: list[Value] = []
         self.slices: dict[str, InputSlice] = {}
@@ -331,14 +334,15 @@ class _Builder:
                 "original value so that it does not collide with a generated name"
             )
         self.types[name] = type_
-        return Value(name, type_)
+        value = self.values[name] = Value(name, type_)
+        return value
 
     def _emit(self, op_type: str, in_names, out_names, attrs: dict) -> None:
-        ins = tuple(Value(n, self.types[n]) for n in in_names)
+        ins = tuple([self.values[n] for n in in_names])
         probe = Op(op_type, ins, (), attrs)
         out_types = infer_op_types(probe, len(self.ops), tuple(x.type for x in ins))
         outs = tuple(self._define(n, t) for n, t in zip(out_names, out_types, strict=True))
-        self.ops.append(Op(op_type, ins, outs, probe.attrs))
+        self.ops.append(probe._with_values(ins, outs))
 
     def _declare_inputs(self) -> None:
         users: dict[str, set[int]] = {}

@@ -28,6 +28,7 @@ recomputation is applied first.
 
 from __future__ import annotations
 
+from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function, Op, Value
 from distir_jax.ir.typecheck import infer_types
 from distir_jax.transforms.base import Distributed, Program, as_distributed
@@ -35,6 +36,7 @@ from distir_jax.transforms.base import Distributed, Program, as_distributed
 RECOMPUTE_POLICIES = ("none", "attention", "full")
 
 
+@gc_paused
 def recompute(program: Program, policy: str) -> Distributed:
     """Re-issues forward ops of each block before its backward.
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function
 from distir_jax.ir.typecheck import infer_types
 from distir_jax.ir.types import dim_divides, dim_str
@@ -72,6 +73,7 @@ _WEIGHT_DIMS = {
 }
 
 
+@gc_paused
 def tensor_parallel(
     program: Program,
     degree: int,

@@ -181,7 +181,7 @@ class Rewriter:
         probe = Op(op_type, tuple(inputs), (), dict(attrs))
         types = infer_op_types(probe, len(self.ops), tuple(v.type for v in inputs))
         outputs = tuple(Value(n, t) for n, t in zip(names, types, strict=True))
-        self.ops.append(Op(op_type, tuple(inputs), outputs, probe.attrs))
+        self.ops.append(probe._with_values(probe.inputs, outputs))
         return outputs
 
     def _place_input(self, name: str, layout: Layout) -> None:
