@@ -84,8 +84,9 @@ def part_a(quick: bool, loop_samples: int) -> float:
     simulated = [c for c in enumerate_configs(space) if c.valid]
     status = table["status"]
     engines = {e: int((table["engine"] == e).sum()) for e in ("fast", "exact")}
-    same = np.allclose(table["step_time_s"], exact["step_time_s"], rtol=1e-5) and np.array_equal(
-        table["peak_memory_bytes"], exact["peak_memory_bytes"]
+    # Both engines run the kernel in float32 (each within ~1e-5 of the float64 reference).
+    same = np.allclose(table["step_time_s"], exact["step_time_s"], rtol=3e-5) and np.allclose(
+        table["peak_memory_bytes"], exact["peak_memory_bytes"], rtol=1e-9
     )
     print(
         f"part (a): DistIR MLP grid, {', '.join(models)}: {len(table)} configurations "
