@@ -117,13 +117,24 @@ class Capacity:
     num_devices: int
     num_resources: int
 
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes in field order (``dataclasses.astuple`` deep-copies, and sweeps call this a lot)."""
+        return (
+            self.num_ops,
+            self.slots_per_op,
+            self.deps_per_op,
+            self.finish_slots,
+            self.num_devices,
+            self.num_resources,
+        )
+
     def union(self, other: Capacity) -> Capacity:
-        return Capacity(*(max(a, b) for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return Capacity(*(max(a, b) for a, b in zip(self.sizes(), other.sizes())))
 
     def bucketed(self) -> Capacity:
         """Rounds every size up to a power of two, to share compiled kernels."""
         up = lambda n: 1 << max(0, int(n) - 1).bit_length()  # noqa: E731
-        return Capacity(*(up(n) for n in dataclasses.astuple(self)))
+        return Capacity(*(up(n) for n in self.sizes()))
 
 
 @gc_paused
@@ -396,8 +407,8 @@ def pad_program(program: Program, capacity: Capacity) -> Program:
     have = program.capacity
     for name, want, got in zip(
         ("num_ops", "slots_per_op", "deps_per_op", "finish_slots", "num_devices", "num_resources"),
-        dataclasses.astuple(capacity),
-        dataclasses.astuple(have),
+        capacity.sizes(),
+        have.sizes(),
     ):
         if want < got:
             raise ValueError(f"capacity {name}={want} is smaller than the program's {got}")

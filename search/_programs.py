@@ -135,6 +135,7 @@ def stack_rows(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_ro
         **{name: np.zeros((num_rows, d), np.float32) for name in _DEVICE_FEATURES},
     }
     hardware_rows: list[Hardware] = []
+    padded: dict[int, Hardware] = {}
     for row, (prepared, variant) in enumerate(items):
         prog = prepared.program
         for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "resource_device"):
@@ -146,7 +147,11 @@ def stack_rows(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_ro
             x = x[variant] if x.ndim > 1 else x
             arrays[name][row, : x.shape[0]] = x
         hw = prepared.hardware
-        hardware_rows.append(pad_hardware(hw, d) if hw.num_devices < d else hw)
+        if hw.num_devices < d:  # rows of one program share its padded hardware
+            if id(hw) not in padded:
+                padded[id(hw)] = pad_hardware(hw, d)
+            hw = padded[id(hw)]
+        hardware_rows.append(hw)
     placeholder = np.zeros((num_rows, 1, 1), np.float32)
     program = Program(
         **arrays, alloc_bytes=placeholder, free_bytes=placeholder, num_finish_slots=capacity.finish_slots
