@@ -314,8 +314,10 @@ DISPLAY_COLUMNS = (
     "pipeline",
     "microbatches",
     "schedule",
+    "virtual_stages",
     "recompute",
     "zero",
+    "overlap_grad_comm",
     "global_batch_size",
     "step_time_s",
     "throughput_samples_per_s",
@@ -336,6 +338,8 @@ DISPLAY_NAMES = {
     "data": "d",
     "tensor": "t",
     "pipeline": "p",
+    "virtual_stages": "v",
+    "overlap_grad_comm": "overlap",
 }
 
 
