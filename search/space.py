@@ -224,7 +224,7 @@ class Config:
     def valid(self) -> bool:
         return not self.reason
 
-    @property
+    @functools.cached_property
     def config_id(self) -> str:
         """A stable id of the knobs: the same in every run, process and Python version."""
         return config_id(self.knobs())

@@ -118,6 +118,49 @@ def test_balanced_boundaries():
     assert balanced_boundaries([5, 1, 1, 1, 1, 0], 2) == (2,)
 
 
+def _reference_boundaries(layer_costs, num_chunks):
+    """The obvious dynamic program: chunks one at a time, starts tried in order, strict improvement only."""
+    blocks = len(layer_costs) - 2
+    prefix = np.concatenate([[0.0], np.cumsum(layer_costs[1:-1], dtype=np.float64)])
+
+    def cost(a, b):  # blocks a+1..b
+        extra = (layer_costs[0] if a == 0 else 0.0) + (layer_costs[-1] if b == blocks else 0.0)
+        return float(prefix[b] - prefix[a]) + extra
+
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (blocks + 1) for _ in range(num_chunks + 1)]
+    arg = [[0] * (blocks + 1) for _ in range(num_chunks + 1)]
+    best[0][0] = (0.0, 0.0)
+    for i in range(1, num_chunks + 1):
+        for j in range(i, blocks - (num_chunks - i) + 1):
+            for a in range(i - 1, j):
+                if best[i - 1][a] == inf:
+                    continue
+                c = cost(a, j)
+                candidate = (max(best[i - 1][a][0], c), best[i - 1][a][1] + c * c)
+                if candidate < best[i][j]:
+                    best[i][j], arg[i][j] = candidate, a
+    cuts, j = [], blocks
+    for i in range(num_chunks, 0, -1):
+        j = arg[i][j]
+        cuts.append(j + 1)
+    return tuple(reversed(cuts[:-1]))
+
+
+def test_balanced_boundaries_match_the_obvious_dynamic_program():
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        blocks = int(rng.integers(1, 16))
+        chunks = int(rng.integers(1, blocks + 1))
+        if trial % 3 == 0:  # small integers: many exact ties
+            costs = rng.integers(0, 4, blocks + 2).astype(float).tolist()
+        elif trial % 3 == 1:  # identical blocks, as in a GPT
+            costs = [float(rng.random())] + [1.5] * blocks + [float(rng.random())]
+        else:
+            costs = (rng.random(blocks + 2) * 1e9 + 1).tolist()
+        assert balanced_boundaries(costs, chunks) == _reference_boundaries(costs, chunks), (costs, chunks)
+
+
 def test_tensor_parallel_stage_groups():
     tp_module = pytest.importorskip("distir_jax.transforms.tensor_parallel")
     fn = training_step("gpt", "adam")

@@ -307,18 +307,29 @@ def _core(p, k, v, schedule, step_costs) -> dict:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _named_schedule(schedule: str, p: int, k: int, v: int):
+    from distir_jax.transforms.schedules import make_schedule
+
+    return make_schedule(schedule, p, k, v)  # read only here
+
+
 def _transform_times(schedule, chunk, mb, backward, p, k, v, step_costs):
     """:func:`~distir_jax.transforms.schedules.schedule_times` as ``[p, M]`` arrays."""
-    from distir_jax.transforms.schedules import Step, make_schedule, schedule_times
+    from distir_jax.transforms.schedules import schedule_times
 
+    costs = np.asarray(step_costs, np.float64).tolist()  # Python floats: read once per step
     times = schedule_times(
-        make_schedule(schedule, p, k, v),
+        _named_schedule(schedule, p, k, v),
         p * v,
-        lambda st: float(step_costs[st.chunk, int(st.direction == "B")]),
+        lambda st: costs[st.chunk][st.direction == "B"],
     )
+    # Steps are (chunk, microbatch, direction) named tuples: plain tuples find them.
     pairs = [
-        times[Step(int(c), int(m), "B" if b else "F")]
-        for c, m, b in zip(chunk.reshape(-1), mb.reshape(-1), backward.reshape(-1), strict=True)
+        times[(c, m, "B" if b else "F")]
+        for c, m, b in zip(
+            chunk.reshape(-1).tolist(), mb.reshape(-1).tolist(), backward.reshape(-1).tolist(), strict=True
+        )
     ]
     start, finish = np.asarray(pairs, np.float64).T
     return start.reshape(chunk.shape), finish.reshape(chunk.shape)

@@ -146,32 +146,36 @@ def balanced_boundaries(layer_costs: Sequence[float], num_chunks: int) -> tuple[
 
     Returns:
       The first block of chunks ``1..n-1``. Among partitions with the same
-      largest chunk, the one with the smallest sum of squared chunk costs.
+      largest chunk, the one with the smallest sum of squared chunk costs; on
+      a further tie, the one whose chunks end earliest.
     """
     blocks = len(layer_costs) - 2
     prefix = np.concatenate([[0.0], np.cumsum(layer_costs[1:-1], dtype=np.float64)])
-
-    def cost(a, b):  # blocks a+1..b
-        extra = (layer_costs[0] if a == 0 else 0.0) + (layer_costs[-1] if b == blocks else 0.0)
-        return float(prefix[b] - prefix[a]) + extra
-
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (blocks + 1) for _ in range(num_chunks + 1)]
-    arg = [[0] * (blocks + 1) for _ in range(num_chunks + 1)]
-    best[0][0] = (0.0, 0.0)
+    a = np.arange(blocks + 1)[:, None]  # a chunk holds blocks a+1..b
+    b = np.arange(blocks + 1)[None, :]
+    extra = np.where(a == 0, float(layer_costs[0]), 0.0) + np.where(b == blocks, float(layer_costs[-1]), 0.0)
+    cost = (prefix[None, :] - prefix[:, None]) + extra  # [a, b]
+    # best[i][b]: (largest chunk, sum of squares) of i chunks over blocks 1..b, a
+    # dynamic program over chunks, each step vectorized over (a, b).
+    worst = np.full(blocks + 1, np.inf)
+    squares = np.full(blocks + 1, np.inf)
+    worst[0] = squares[0] = 0.0
+    choice = []
     for i in range(1, num_chunks + 1):
-        for j in range(i, blocks - (num_chunks - i) + 1):
-            for a in range(i - 1, j):
-                prev = best[i - 1][a]
-                if prev == inf:
-                    continue
-                c = cost(a, j)
-                candidate = (max(prev[0], c), prev[1] + c * c)
-                if candidate < best[i][j]:
-                    best[i][j], arg[i][j] = candidate, a
+        ok = (a < b) & (a >= i - 1) & np.isfinite(worst)[:, None]
+        cand_worst = np.where(ok, np.maximum(worst[:, None], cost), np.inf)
+        cand_squares = np.where(ok, squares[:, None] + cost * cost, np.inf)
+        low = cand_worst.min(axis=0)
+        tied = cand_worst == low[None, :]
+        sq = np.where(tied, cand_squares, np.inf)
+        low_sq = sq.min(axis=0)
+        pick = np.argmax(tied & (sq == low_sq[None, :]), axis=0)  # the first (smallest a) on ties
+        reach = (b[0] >= i) & (b[0] <= blocks - (num_chunks - i)) & np.isfinite(low)
+        worst, squares = np.where(reach, low, np.inf), np.where(reach, low_sq, np.inf)
+        choice.append(np.where(reach, pick, 0))
     cuts, j = [], blocks
     for i in range(num_chunks, 0, -1):
-        j = arg[i][j]
+        j = int(choice[i - 1][j])
         cuts.append(j + 1)
     return tuple(reversed(cuts[:-1]))
 

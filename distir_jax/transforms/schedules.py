@@ -258,20 +258,38 @@ def schedule_times(
     pos = dict.fromkeys(schedule, 0)
     clock = dict.fromkeys(schedule, 0.0)
     times: dict[Step, tuple[float, float]] = {}
+    last = num_chunks - 1
     progress = True
-    while progress:
+    while progress:  # the dependencies of step_dependencies, inlined: this loop is hot in sweeps
         progress = False
         for device, steps in schedule.items():
-            while pos[device] < len(steps):
-                step = steps[pos[device]]
-                deps = step_dependencies(step, num_chunks)
-                if any(d not in times for d in deps):
-                    break
-                start = max([clock[device]] + [times[d][1] for d in deps])
-                times[step] = (start, start + float(cost(step)))
-                clock[device] = times[step][1]
-                pos[device] += 1
+            i, now = pos[device], clock[device]
+            while i < len(steps):
+                step = steps[i]
+                chunk, mb, direction = step
+                start = now
+                if direction == "F":
+                    if chunk > 0:
+                        before = times.get((chunk - 1, mb, "F"))
+                        if before is None:
+                            break
+                        start = max(start, before[1])
+                else:
+                    own = times.get((chunk, mb, "F"))
+                    if own is None:
+                        break
+                    start = max(start, own[1])
+                    if chunk < last:
+                        later = times.get((chunk + 1, mb, "B"))
+                        if later is None:
+                            break
+                        start = max(start, later[1])
+                finish = start + float(cost(step))
+                times[step] = (start, finish)
+                now = finish
+                i += 1
                 progress = True
+            pos[device], clock[device] = i, now
     stuck = [d for d in schedule if pos[d] < len(schedule[d])]
     if stuck:
         p = len(schedule)
