@@ -277,16 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="fast",
         choices=("fast", "exact"),
         help="fast: coarse programs generated as arrays, the same numbers (tested against the "
-        "reference simulator) in milliseconds per strategy; rows it does not model exactly (sequence "
-        "parallelism, gradient overlap with ZeRO) run exact. exact: build every program with the real "
+        "reference simulator) in milliseconds per strategy; rows it does not model (sequence "
+        "parallelism) run exact. exact: build every program with the real "
         "transforms (default: fast)",
-    )
-    s.add_argument(
-        "--approximate-overlap",
-        action="store_true",
-        help="let the fast engine simulate rows with gradient overlap and ZeRO approximately (updates "
-        "and all-gathers run as one op per stage instead of interleaved per weight); their engine column "
-        "reads fast-approx. Without it they run exact, which is slow for large models",
     )
     s.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
@@ -399,13 +392,6 @@ def _sweep(args) -> int:
         f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)} ...",
         flush=True,
     )
-    overlapped = sum(c.valid and c.overlap_grad_comm and c.data > 1 and c.zero for c in configs)
-    if overlapped and args.engine == "fast" and not args.approximate_overlap:
-        print(
-            f"note: {overlapped} configurations with gradient overlap and ZeRO run on the exact engine "
-            "(slow for large models); --approximate-overlap simulates them fast, approximately",
-            flush=True,
-        )
     if not args.resume and os.path.exists(args.output):
         os.remove(args.output)  # a fresh sweep; evaluate would otherwise resume from it
     # Always through results_path: evaluate checkpoints there, so an interrupted
@@ -417,7 +403,6 @@ def _sweep(args) -> int:
         max_bytes=int(args.chunk_memory * 1e9),
         progress=not args.no_progress,
         engine=args.engine,
-        approximate_overlap=args.approximate_overlap,
     )
     elapsed = time.perf_counter() - start
     written = [args.output]
@@ -425,7 +410,7 @@ def _sweep(args) -> int:
         table.to_parquet(args.output[: -len(".csv")] + ".parquet")
         written.append(args.output[: -len(".csv")] + ".parquet")
     counts = {s: int((table["status"] == s).sum()) for s in ("ok", "out of memory", "invalid")}
-    engines = {e: int((table["engine"] == e).sum()) for e in ("fast", "fast-approx", "exact")}
+    engines = {e: int((table["engine"] == e).sum()) for e in ("fast", "exact")}
     print(
         f"{len(table)} configurations in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s): "
         + ", ".join(f"{n} {s}" for s, n in counts.items())

@@ -21,14 +21,15 @@ events are the fine block's, replayed per pass (forward, first and later
 backward, a received input's last read, each gradient's reduction).
 
 With gradient overlap, each chunk's last backward is cut after every weight
-gradient and each gradient's all-reduce follows its segment on stream 1, as
-the data-parallel transform issues them
+gradient and each gradient's all-reduce (ZeRO: reduce-scatter) follows its
+segment on stream 1, as the data-parallel transform issues them; with ZeRO the
+updates and all-gathers then run weight by weight
 (:mod:`distir_jax.transforms.coarse_segments`).
 
-Rows the fast engine does not model exactly (other models, sequence
-parallelism, gradient overlap with ZeRO, MLP tensor parallelism with a
-pipeline stage that would split a column / row layer pair) fall back to the
-exact engine; the ``engine`` column says which one ran.
+Rows the fast engine does not model (other models, sequence parallelism, MLP
+tensor parallelism with a pipeline stage that would split a column / row
+layer pair) fall back to the exact engine; the ``engine`` column says which
+one ran.
 """
 
 from __future__ import annotations
@@ -47,29 +48,15 @@ from search._programs import Prepared, compact
 from search.space import HARDWARE_DTYPE, Config, _topology
 
 ENGINES = ("exact", "fast")
-# The `engine` column of rows the fast engine approximated (approximate_overlap=True).
-FAST_APPROXIMATE = "fast-approx"
 
 
-def approximates(config: Config) -> bool:
-    """Whether the fast engine's program for ``config`` is an approximation: gradient
-    overlap with ZeRO (reduce-scatters are cut per gradient, but the updates and
-    all-gathers run as one op per stage instead of interleaved per weight)."""
-    return config.overlap_grad_comm and config.data > 1 and config.zero
-
-
-def fast_unsupported(config: Config, *, approximate_overlap: bool = False) -> str:
-    """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``.
-
-    With ``approximate_overlap`` it takes rows with gradient overlap too (see
-    :func:`search.evaluate`)."""
+def fast_unsupported(config: Config) -> str:
+    """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``."""
     model = config.model_config
     if not isinstance(model, (TransformerConfig, MLPConfig)):
         return f"the fast engine models GPT and MLP training steps, not {type(model).__name__}"
     if config.sequence_parallel:
         return "the fast engine does not model sequence parallelism"
-    if approximates(config) and not approximate_overlap:
-        return "the fast engine does not model gradient overlap with ZeRO exactly"
     # Under tensor parallelism an MLP's blocks are (column, row) layer pairs,
     # which the fast engine keeps in one pipeline chunk.
     chunks = config.pipeline * config.virtual_stages

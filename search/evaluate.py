@@ -62,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
 from distir_jax.kernel import STATUS_INVALID, simulate
 from distir_jax.lower import Capacity, lower
-from search._fast import ENGINES, FAST_APPROXIMATE, FastEngine, approximates, fast_unsupported
+from search._fast import ENGINES, FastEngine, fast_unsupported
 from search._programs import Prepared, choose_capacities, compact, row_bytes, stack_rows
 from search._progress import progress_bar
 from search.results import STATUS_INVALID as INVALID
@@ -91,7 +91,6 @@ def evaluate(
     process_count: int | None = None,
     checkpoint_seconds: float = 60.0,
     engine: str = "fast",
-    approximate_overlap: bool = False,
 ) -> ResultTable:
     """Simulates every configuration of a space (or a list of rows) in batched kernel calls.
 
@@ -115,14 +114,6 @@ def evaluate(
         for rows it does not model; ``"exact"`` builds every structural key's
         program with the transforms. The table's ``engine`` column says which
         one ran.
-      approximate_overlap: let the fast engine simulate rows with gradient
-        overlap and ZeRO too, approximately: per-gradient reduce-scatters are
-        exact, but the updates and all-gathers run as one op per stage after
-        the last reduction instead of interleaved per weight. Their
-        ``engine`` is ``"fast-approx"``. Without it they run on the exact
-        engine, which for large models takes seconds to minutes per
-        structural key. (Gradient overlap without ZeRO is exact.)
-
     Returns:
       A :class:`ResultTable`, one row per configuration, in enumeration order
       (rows read from ``results_path`` that are not in the space come last).
@@ -156,11 +147,10 @@ def evaluate(
     bar.update(len(invalid))
     models: dict = {}  # single-device programs, shared by the keys of one model and batch set
     valid = [c for c in todo if c.valid]
-    unsupported = functools.partial(fast_unsupported, approximate_overlap=approximate_overlap)
-    fast_engine = FastEngine([c for c in valid if not unsupported(c)]) if engine == "fast" else None
+    fast_engine = FastEngine([c for c in valid if not fast_unsupported(c)]) if engine == "fast" else None
     for group in _groups(valid):
         rows_of_group = None
-        if fast_engine is not None and not unsupported(group[0]):
+        if fast_engine is not None and not fast_unsupported(group[0]):
             rows_of_group = fast_engine.prepare(group)  # None: not expressible, run exact
         fast = rows_of_group is not None
         if not fast:
@@ -169,8 +159,7 @@ def evaluate(
             if reason:
                 emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
             else:
-                label = (FAST_APPROXIMATE if approximates(config) else "fast") if fast else "exact"
-                batcher.add(config, prepared, variant, label)
+                batcher.add(config, prepared, variant, "fast" if fast else "exact")
             # Building dominates a sweep's time (kernel calls take milliseconds
             # per thousand rows), so progress counts configurations built.
             bar.update(1)

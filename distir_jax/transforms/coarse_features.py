@@ -277,7 +277,11 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
     backward_rise = np.asarray([[[r for r, _ in v] for v in part] for part in replays])  # [3, 2, 2, S]
     backward_net = np.asarray([[[n for _, n in v] for v in part] for part in replays])
     linear = linear_features(fine, topology, s)
-    segments = tuple(bops.segments(q, linear, topology) for q in range(3))
+    updates: list[list] = [[], [], []]
+    for i, (op, (kind, part)) in enumerate(zip(fn.ops, labels, strict=True)):
+        if kind == "opt" and op.op_type in ("SGD", "Adam"):
+            updates[part].append((op.inputs[1].name, float(op.inputs[0].type.num_bytes), linear[0, i]))
+    segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(3))
     # Weight gradients of each part in the order its backward produces them
     # (the order a data-parallel transform reduces them in).
     updated = {op.inputs[1].name for op in fn.ops if op.attr("phase") == "opt"}

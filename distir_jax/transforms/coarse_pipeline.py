@@ -133,6 +133,7 @@ class PipelineTemplate:
     num_slots: int
     segment: np.ndarray | None = None
     segments: tuple | None = None
+    updates: tuple | None = None
 
     @property
     def num_ops(self) -> int:
@@ -172,12 +173,24 @@ class PipelineTemplate:
             [chunk, n + chunk + n * later, 3 * n, 3 * n + p + 2, 3 * n + 1 + stage],
             3 * n + p + 1,
         )
-        if self.segments is not None:  # segment rows follow (see ChunkTables)
+        if self.segments is not None:  # segment rows follow (see ChunkTables), then per-weight ones
             offset = np.concatenate([[0], np.cumsum([len(c) for c in self.segments])])
             total = int(offset[-1])
             seg = self.segment >= 0
             index = offset[np.maximum(chunk, 0)] + self.segment
             reduce = seg & (kind == REDUCE)
+            if self.updates is not None:
+                per_weight = np.concatenate([[0], np.cumsum([len(c) for c in self.updates])])
+                weight = seg & ((kind == UPDATE) | (kind == GATHER))
+                index = np.where(
+                    weight,
+                    2 * total
+                    + per_weight[np.maximum(chunk, 0)]
+                    + self.segment
+                    + per_weight[-1] * (kind == GATHER),
+                    index,
+                )
+                reduce = reduce & ~weight
             cost_row = np.where(seg, 4 * n + 2 * p + 1 + index + total * reduce, cost_row)
             memory_row = np.where(seg, 3 * n + p + 3 + index + total * reduce, memory_row)
         return cost_row, memory_row
@@ -201,6 +214,7 @@ def pipeline_template(
     mode: str = "none",
     step_costs=None,
     segments: tuple | None = None,
+    updates: tuple | None = None,
 ) -> PipelineTemplate:
     """The structure of a coarse pipeline program.
 
@@ -221,6 +235,10 @@ def pipeline_template(
         becomes these segments, each gradient's reduction on stream 1 right
         after its segment, as the data-parallel transform issues them. None:
         one reduction per chunk after its last backward (an approximation).
+      updates: with segments and ZeRO (``mode`` ``"overlap_zero"``): per chunk,
+        for each weight in optimizer order, the segment whose reduction its
+        update waits for; each stage then updates and all-gathers weight by
+        weight (an update on stream 0, its all-gather on stream 1).
 
     Returns:
       A :class:`PipelineTemplate`.
@@ -228,11 +246,15 @@ def pipeline_template(
     if mode not in DATA_MODES:
         raise ValueError(f"mode must be one of {DATA_MODES}, got {mode!r}")
     if segments is not None:
-        if mode != "overlap":
-            raise ValueError(f"segments apply to mode 'overlap' only, got mode {mode!r}")
+        if not mode.startswith("overlap"):
+            raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
         segments = tuple(tuple(bool(x) for x in c) for c in segments)
         if len(segments) != int(pipeline) * int(virtual_stages) or not all(segments):
             raise ValueError(f"segments needs a non-empty tuple per chunk, got {len(segments)} entries")
+    if (mode == "overlap_zero" and segments is not None) != (updates is not None):
+        raise ValueError("updates go with segments in mode 'overlap_zero', and only there")
+    if updates is not None:
+        updates = tuple(tuple(int(j) for j in c) for c in updates)
     if step_costs is None and segments is None:
         return _cached_template(int(pipeline), int(microbatches), int(virtual_stages), schedule, mode)
     core = (
@@ -240,7 +262,7 @@ def pipeline_template(
         if step_costs is None
         else _core(int(pipeline), int(microbatches), int(virtual_stages), schedule, step_costs)
     )
-    return _build_template(core, mode, segments)
+    return _build_template(core, mode, segments, updates)
 
 
 @functools.lru_cache(maxsize=16)
@@ -335,9 +357,12 @@ def _transform_times(schedule, chunk, mb, backward, p, k, v, step_costs):
     return start.reshape(chunk.shape), finish.reshape(chunk.shape)
 
 
-def _build_template(core: dict, mode: str, segments: tuple | None = None) -> PipelineTemplate:
+def _build_template(
+    core: dict, mode: str, segments: tuple | None = None, updates: tuple | None = None
+) -> PipelineTemplate:
     """Adds a data-parallel mode's ops to a core; orders ops, finds dependencies and slots."""
     p, k, v = core["p"], core["k"], core["v"]
+    n = p * v
     core = _split_last_backwards(core, segments) if segments is not None else dict(core, segment=None)
     # Each chunk's reduction right after its last backward (with segments: each
     # gradient's right after its segment); updates (each followed by its
@@ -349,26 +374,51 @@ def _build_template(core: dict, mode: str, segments: tuple | None = None) -> Pip
     else:
         reduces = core["ends_grad"]
     num_red = int(reduces.sum())
-    ends = 2 if mode == "overlap_zero" else 1
     last = core["rank"].max(initial=0) + 2
-    none = np.full(num_red + ends * p, -1)
-    kind = np.concatenate([core["kind"], np.full(num_red, REDUCE), np.repeat([UPDATE, GATHER][:ends], p)])
-    ev_chunk = np.concatenate([core["chunk"], core["chunk"][reduces], np.full(ends * p, -1)])
+    num_events = len(core["rank"])
+    if updates is None:  # an update per stage (then its gather, with ZeRO)
+        ends = 2 if mode == "overlap_zero" else 1
+        end_kind = np.repeat([UPDATE, GATHER][:ends], p)
+        end_chunk = end_segment = np.full(ends * p, -1)
+        end_stage = np.tile(np.arange(p), ends)
+        end_stream = np.repeat(np.arange(ends), p)
+        end_rank = np.concatenate([last + 2 * np.arange(p) + e for e in range(ends)])
+        end_producer = np.full(ends * p, -1)
+    else:  # per weight: its update (waits for its reduction), then its gather
+        # The reduction event of each (chunk, segment), to wait for.
+        red_index = {
+            (int(c), int(j)): num_events + i
+            for i, (c, j) in enumerate(zip(core["chunk"][reduces], core["segment"][reduces], strict=True))
+        }
+        rows = [(c % p, c, u, red_index[(c, j)]) for c in range(n) for u, j in enumerate(updates[c])]
+        rows.sort(key=lambda r: (r[0], r[1], r[2]))  # stage by stage; chunks, then weights, in order
+        stage_u, chunk_u, index_u, wait_u = (
+            (np.asarray(x, np.int64) for x in zip(*rows)) if rows else [np.zeros(0, np.int64)] * 4
+        )
+        w = len(rows)
+        end_kind = np.concatenate([np.full(w, UPDATE), np.full(w, GATHER)])
+        end_chunk = np.concatenate([chunk_u, chunk_u])
+        end_segment = np.concatenate([index_u, index_u])
+        end_stage = np.concatenate([stage_u, stage_u])
+        end_stream = np.concatenate([np.zeros(w, np.int64), np.ones(w, np.int64)])
+        end_rank = np.concatenate([last + 2 * np.arange(w), last + 2 * np.arange(w) + 1])
+        # An update waits for its reduction; a gather for its update.
+        end_producer = np.concatenate([wait_u, num_events + num_red + np.arange(w)])
+    num_end = len(end_kind)
+    none = np.full(num_red + num_end, -1)
+    kind = np.concatenate([core["kind"], np.full(num_red, REDUCE), end_kind])
+    ev_chunk = np.concatenate([core["chunk"], core["chunk"][reduces], end_chunk])
     ev_mb = np.concatenate([core["mb"], none])
-    ev_stage = np.concatenate([core["stage"], core["stage"][reduces], np.tile(np.arange(p), ends)])
+    ev_stage = np.concatenate([core["stage"], core["stage"][reduces], end_stage])
     ev_stage2 = np.concatenate([core["stage2"], none])
     ev_stream = np.concatenate(  # reductions and gathers on stream 1
-        [np.zeros(len(core["rank"]), np.int64), np.ones(num_red, np.int64), np.repeat(np.arange(ends), p)]
+        [np.zeros(num_events, np.int64), np.ones(num_red, np.int64), end_stream]
     )
-    producer = np.concatenate(
-        [np.full(len(core["rank"]), -1), np.flatnonzero(reduces), np.full(ends * p, -1)]
-    )
+    producer = np.concatenate([np.full(num_events, -1), np.flatnonzero(reduces), end_producer])
     ev_segment = None
     if core["segment"] is not None:
-        ev_segment = np.concatenate([core["segment"], core["segment"][reduces], np.full(ends * p, -1)])
-    rank = np.concatenate(
-        [core["rank"], core["rank"][reduces] + 1] + [last + 2 * np.arange(p) + e for e in range(ends)]
-    )
+        ev_segment = np.concatenate([core["segment"], core["segment"][reduces], end_segment])
+    rank = np.concatenate([core["rank"], core["rank"][reduces] + 1, end_rank])
     order = np.argsort(rank, kind="stable")
     kind, ev_chunk, ev_mb = kind[order], ev_chunk[order], ev_mb[order]
     ev_stage, ev_stage2, ev_stream = ev_stage[order], ev_stage2[order], ev_stream[order]
@@ -384,13 +434,16 @@ def _build_template(core: dict, mode: str, segments: tuple | None = None) -> Pip
     deps = np.full((num_ops, 1), -1, np.int64)
     red = kind == REDUCE
     deps[red, 0] = position[producer[order][red]]
-    if mode.startswith("overlap"):  # the last reduction on a stream implies the earlier ones
+    if updates is not None:  # weight by weight: each waits for its own producer
+        waits = producer[order] >= 0
+        deps[waits, 0] = position[producer[order][waits]]
+    elif mode.startswith("overlap"):  # the last reduction on a stream implies the earlier ones
         last_reduce = np.full(p, -1, np.int64)
         np.maximum.at(last_reduce, ev_stage[red], op[red])
         upd = kind == UPDATE
         deps[upd, 0] = last_reduce[ev_stage[upd]]
     gat = kind == GATHER
-    if gat.any():
+    if gat.any() and updates is None:
         update_op = np.full(p, -1, np.int64)
         update_op[ev_stage[kind == UPDATE]] = op[kind == UPDATE]
         deps[gat, 0] = update_op[ev_stage[gat]]
@@ -412,6 +465,7 @@ def _build_template(core: dict, mode: str, segments: tuple | None = None) -> Pip
         num_slots,
         ev_segment,
         segments,
+        updates,
     )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "part_coefficients",
     "realize",
     "segment_flags",
+    "update_order",
     "stage_devices",
     "stage_peak_memory",
     "transform_layers_per_chunk",
@@ -326,28 +327,54 @@ def chunk_tables(
     resident[:, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
     tables = ChunkTables(cost, alloc, free, resident)
     if segments:
-        if mode != "overlap":
-            raise ValueError(f"segments apply to mode 'overlap' only, got mode {mode!r}")
-        tables = _with_segments(tables, features, coef, k, data)
+        if not mode.startswith("overlap"):
+            raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
+        tables = _with_segments(tables, features, coef, k, data, zero)
     return tables
 
 
 def _chunk_segments(features: LayerFeatures, coef: np.ndarray):
-    """Per chunk, its last backward's segments in order: ``(part, segment, input freed here)``.
+    """Per chunk, its last backward's segments in order: ``(part, segment, input freed here, copy)``.
 
     Backward order: the head, the blocks (the chunk's first block last), the
-    embedding; on a receiving chunk of an MLP the first part frees the
-    received input (see ``output_used_by_own_backward``).
+    embedding; ``copy`` numbers a chunk's blocks in forward order. On a
+    receiving chunk of an MLP the first part frees the received input (see
+    ``output_used_by_own_backward``).
     """
     n = coef.shape[0]
     out = []
     for c in range(n):
         receives = c > 0 and features.output_used_by_own_backward
         count = int(coef[c, _BLOCK])
-        parts = [(_HEAD, receives and count == 0)] if coef[c, _HEAD] else []
-        parts += [(_BLOCK, receives and b == count - 1) for b in range(count)]
-        parts += [(_EMBED, False)] if coef[c, _EMBED] else []
-        out.append([(q, j, freed) for q, freed in parts for j in range(features.segments[q].num_segments)])
+        parts = [(_HEAD, receives and count == 0, 0)] if coef[c, _HEAD] else []
+        parts += [(_BLOCK, receives and b == 0, b) for b in range(count - 1, -1, -1)]
+        parts += [(_EMBED, False, 0)] if coef[c, _EMBED] else []
+        out.append(
+            [
+                (q, j, freed, copy)
+                for q, freed, copy in parts
+                for j in range(features.segments[q].num_segments)
+            ]
+        )
+    return out
+
+
+def _chunk_updates(features: LayerFeatures, coef: np.ndarray, chunks) -> list[list[tuple]]:
+    """Per chunk, its weights in optimizer (forward) order: ``(part, update, position of the
+    segment its gradient ends)``."""
+    out = []
+    for c, chunk in enumerate(chunks):
+        position = {(q, j, copy): i for i, (q, j, _, copy) in enumerate(chunk)}
+        parts = [(_EMBED, 0)] if coef[c, _EMBED] else []
+        parts += [(_BLOCK, b) for b in range(int(coef[c, _BLOCK]))]
+        parts += [(_HEAD, 0)] if coef[c, _HEAD] else []
+        out.append(
+            [
+                (q, u, position[(q, j, copy)])
+                for q, copy in parts
+                for u, (j, _, _) in enumerate(features.segments[q].updates)
+            ]
+        )
     return out
 
 
@@ -356,33 +383,60 @@ def segment_flags(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> t
     (the ``segments`` of :func:`~distir_jax.transforms.coarse_pipeline.pipeline_template`)."""
     coef = part_coefficients(features, layers_per_chunk)
     return tuple(
-        tuple(features.segments[q].grads[j] is not None for q, j, _ in chunk)
+        tuple(features.segments[q].grads[j] is not None for q, j, _, _ in chunk)
         for chunk in _chunk_segments(features, coef)
     )
 
 
-def _with_segments(tables: ChunkTables, features: LayerFeatures, coef, k: int, data: int) -> ChunkTables:
-    """``tables`` plus segment rows, then one reduction row per segment (zero for tails)."""
+def update_order(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> tuple:
+    """Per chunk, for each weight in optimizer order, the segment whose reduction its
+    update waits for (the ``updates`` of
+    :func:`~distir_jax.transforms.coarse_pipeline.pipeline_template`, ZeRO with overlap)."""
+    coef = part_coefficients(features, layers_per_chunk)
+    chunks = _chunk_segments(features, coef)
+    return tuple(tuple(pos for _, _, pos in chunk) for chunk in _chunk_updates(features, coef, chunks))
+
+
+def _with_segments(
+    tables: ChunkTables, features: LayerFeatures, coef, k: int, data: int, zero: bool
+) -> ChunkTables:
+    """``tables`` plus segment rows, one reduction row per segment (zero for tails), and with
+    ZeRO an update row then an all-gather row per weight (see :func:`update_order`)."""
     later = int(k > 1)  # the last microbatch adds to running sums unless it is the only one
     chunks = _chunk_segments(features, coef)
+    updates = _chunk_updates(features, coef, chunks) if zero else []
     total = sum(len(c) for c in chunks)
+    weights = sum(len(c) for c in updates)
     s = tables.cost.shape[0]
-    cost = np.zeros((s, 2 * total, _F))
-    alloc = np.zeros((s, 2 * total, 2))
+    cost = np.zeros((s, 2 * total + 2 * weights, _F))
+    alloc = np.zeros((s, 2 * total + 2 * weights, 2))
     free = np.zeros_like(alloc)
     row = 0
     for chunk in chunks:
-        for q, j, freed in chunk:
+        for q, j, freed, _ in chunk:
             seg = features.segments[q]
             cost[:, row] = seg.cost[j] + later * seg.accumulate[j][None, :]
             alloc[:, row, 0] = seg.rise[later, int(freed), j]
             free[:, row, 0] = seg.rise[later, int(freed), j] - seg.net[later, int(freed), j]
             grad = seg.grads[j]
-            if grad is not None:  # its all-reduce: a new buffer, then the gradient goes
-                cost[:, total + row] = _all_reduce(grad, data)[None, :]
+            if grad is not None:  # its reduction writes a new buffer (a 1/d shard with ZeRO), then it goes
                 nbytes = float(np.max(grad.num_bytes))
-                alloc[:, total + row, 0] = nbytes
+                cost[:, total + row] = _collective("ReduceScatter" if zero else "AllReduce", grad, data)
+                alloc[:, total + row, 0] = nbytes / data if zero else nbytes
                 free[:, total + row, 0] = nbytes
+            row += 1
+    row = 2 * total
+    scaled = np.zeros(_F, bool)
+    scaled[_SCALED] = True
+    for chunk in updates:  # ZeRO: each replica updates its shard in place, then all-gathers the weight
+        for q, u, _ in chunk:
+            j, weight_bytes, update = features.segments[q].updates[u]
+            grad = features.segments[q].grads[j]
+            cost[:, row] = np.where(scaled, update / data, update)
+            free[:, row, 0] = float(np.max(grad.num_bytes)) / data  # the gradient shard
+            shard = grad.with_shape((grad.shape[0] // data, *grad.shape[1:]))
+            cost[:, weights + row] = _collective("AllGather", shard, data)
+            alloc[:, weights + row, 0] = weight_bytes  # the gathered weight, next to the old one
             row += 1
     return ChunkTables(
         np.concatenate([tables.cost, cost], axis=1),
@@ -393,10 +447,13 @@ def _with_segments(tables: ChunkTables, features: LayerFeatures, coef, k: int, d
 
 
 @functools.lru_cache(maxsize=4096)
-def _all_reduce(grad, degree: int) -> np.ndarray:
+def _collective(op_type: str, value, degree: int) -> np.ndarray:
+    """``[F]`` features of a data-parallel collective on ``value`` over ``degree`` replicas (axis 0)."""
     from distir_jax.ir.registry import get_spec
 
-    f = get_spec("AllReduce").features({"group": tuple(range(degree)), "axis": 0}, (grad,), (grad,))
+    spec = get_spec(op_type)
+    attrs = {"group": tuple(range(degree)), "axis": 0}
+    f = spec.features(attrs, (value,), spec.infer(attrs, (value,)))
     out = np.zeros(_F)
     out[_VOLUME], out[_HOPS] = float(np.max(f.comm_volume)), float(np.max(f.comm_hops))
     return out
@@ -561,11 +618,12 @@ def coarse_pipeline_program(
       step_costs: ``None`` for the fast issue order, or ``[p * v, 2]``
         estimates for the transform's order (see :func:`pipeline_template`).
       num_streams: streams per device (at least the mode's).
-      overlap_segments: with ``overlap`` (and no ZeRO), cut each chunk's last
-        backward after every weight gradient and reduce each gradient right
-        after its segment, as the data-parallel transform does (the fine
-        program's timeline); otherwise one reduction per chunk follows its
-        last backward (fewer ops, later reductions).
+      overlap_segments: with ``overlap``, cut each chunk's last backward after
+        every weight gradient and reduce each gradient right after its
+        segment, as the data-parallel transform does (with ZeRO, then update
+        and all-gather weight by weight): the fine program's timeline.
+        Otherwise one reduction per chunk follows its last backward (fewer
+        ops, later reductions).
 
     Returns:
       A Program with features ``[S, N]`` (``N ~ 4 k v p``).
@@ -581,9 +639,10 @@ def coarse_pipeline_program(
             f"{features.num_blocks} blocks, got {list(layers)}"
         )
     mode = data_mode(int(data), bool(overlap), bool(zero))
-    segments = overlap_segments and mode == "overlap"
+    segments = overlap_segments and mode.startswith("overlap")
     flags = segment_flags(features, layers) if segments else None
-    template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs, flags)
+    updates = update_order(features, layers) if segments and mode == "overlap_zero" else None
+    template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs, flags, updates)
     tables = chunk_tables(
         features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode, segments=segments
     )

@@ -25,6 +25,7 @@ terms on the measuring topology's first device, as
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +48,8 @@ class PartSegments:
       rise, net: ``[2, 2, m, S]`` memory of each segment by ``[later
         microbatch, input freed here]``.
       grads: the type of the gradient each segment ends with (None: the tail).
+      updates: the part's weights in optimizer order: ``(segment of its
+        gradient, weight bytes, [F] linear cost of its update)``.
     """
 
     cost: np.ndarray
@@ -54,10 +57,16 @@ class PartSegments:
     rise: np.ndarray
     net: np.ndarray
     grads: tuple
+    updates: tuple = ()
 
     @property
     def num_segments(self) -> int:
         return len(self.grads)
+
+
+class _Grad(NamedTuple):
+    name: str
+    type: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +77,7 @@ class BackwardOps:
       ops: per part, fine op indices in program order.
       alloc, free: ``[S, N]`` bytes each op allocates and frees on its first device.
       input_freed: per op index, the bytes of the part's input last read there.
-      grads: per op index, the weight gradients it outputs (their types), in output order.
+      grads: per op index, the weight gradients it outputs (name and type), in output order.
     """
 
     ops: tuple
@@ -89,7 +98,7 @@ class BackwardOps:
                 level = level - self.input_freed.get(i, 0.0)
             for grad in self.grads.get(i, ()):
                 if later:  # the Add into the running sum: new sum, then gradient and old sum go
-                    nbytes = np.asarray(grad.num_bytes, np.float64)
+                    nbytes = np.asarray(grad.type.num_bytes, np.float64)
                     peak = np.maximum(peak, level + nbytes)
                     level = level - nbytes
                 if cuts:
@@ -102,14 +111,19 @@ class BackwardOps:
         nets.append(level)
         return np.stack(rises), np.stack(nets)
 
-    def segments(self, part: int, features: np.ndarray, topology) -> PartSegments:
-        """The part's segments; ``features`` ``[S, N, F]`` are the fine ops' linear costs."""
-        cost, grads, current = [], [], np.zeros(features[:, 0].shape)
+    def segments(self, part: int, features: np.ndarray, topology, updates=()) -> PartSegments:
+        """The part's segments; ``features`` ``[S, N, F]`` are the fine ops' linear costs.
+
+        ``updates``: the part's optimizer updates in program order, ``(gradient
+        name, weight bytes, [F] linear cost)`` each.
+        """
+        cost, grads, names, current = [], [], [], np.zeros(features[:, 0].shape)
         for i in self.ops[part]:
             current = current + features[:, i]
             for grad in self.grads.get(i, ()):
                 cost.append(current)
-                grads.append(grad)
+                grads.append(grad.type)
+                names.append(grad.name)
                 current = np.zeros_like(current)
         cost.append(current)
         grads.append(None)
@@ -119,7 +133,8 @@ class BackwardOps:
         ]
         rise = np.asarray([[r for r, _ in row] for row in variants])
         net = np.asarray([[n for _, n in row] for row in variants])
-        return PartSegments(np.stack(cost), accumulate, rise, net, tuple(grads))
+        ordered = tuple((names.index(name), nbytes, update) for name, nbytes, update in updates)
+        return PartSegments(np.stack(cost), accumulate, rise, net, tuple(grads), ordered)
 
 
 def backward_ops(fn, fine, labels, num_variants: int) -> BackwardOps:
@@ -145,7 +160,7 @@ def backward_ops(fn, fine, labels, num_variants: int) -> BackwardOps:
             j = producer.get(v.name)
             if j is not None and labels[j] == (part - 1, "F"):
                 last_read[(part, v.name)] = i
-        found = [v.type for v in op.outputs if v.name in updated]
+        found = [_Grad(v.name, v.type) for v in op.outputs if v.name in updated]
         if found:
             grads[i] = found
     input_freed: dict[int, np.ndarray] = {}
