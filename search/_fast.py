@@ -44,6 +44,7 @@ from distir_jax.transforms.coarse import (
     transform_layers_per_chunk,
     transform_step_costs,
 )
+from distir_jax.transforms.data_parallel import zero_shard_problem
 from search._programs import Prepared, compact
 from search.space import HARDWARE_DTYPE, Config, _topology
 
@@ -119,6 +120,12 @@ class FastEngine:
         features = layer_features(
             model, tensor, recompute, sizes, _measure_topology(hardware, dtype, tensor), optimizer=optimizer
         )
+        if config.zero and config.data > 1:  # the exact engine's ZeRO shards each weight's axis 0
+            for part in features.weights:  # embedding, blocks, head: the model's optimizer order
+                for name, weight_type in part:
+                    problem = zero_shard_problem(name, weight_type, config.data)
+                    if problem:
+                        raise ValueError(problem)
         # The exact engine builds this key with its own batch sizes as variants, and
         # the transform cuts stages and orders steps by their mean flops: so here too.
         variants = sorted({sizes.index(c.microbatch_size) for c in group})

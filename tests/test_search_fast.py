@@ -136,3 +136,23 @@ def test_backward_replay_reproduces_the_fused_first_backward(model, tensor, poli
         np.testing.assert_allclose(seg.cost.sum(axis=0), f.step[q, 1], rtol=1e-9, atol=1e-9)
         np.testing.assert_allclose(seg.net.sum(axis=2), f.backward_net[q], rtol=1e-9, atol=1e-6)
         np.testing.assert_allclose(seg.accumulate.sum(axis=0), f.accumulate[q], rtol=1e-12)
+
+
+def test_zero_validity_and_reasons_match_the_exact_engine():
+    """ZeRO shards every weight along axis 0: a vocabulary the degree does not divide is
+    an invalid row with the transform's own reason, in both engines."""
+    odd_vocab = TransformerConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=130, seq_len=8)
+    space = StrategySpace(
+        model=odd_vocab,
+        world_sizes=(2, 4),
+        global_batch_sizes=(8,),
+        microbatches=(2,),
+        zero=(True,),
+        overlap_grad_comm=(False, True),
+        optimizer="adam",
+    )
+    configs = list(enumerate_configs(space))
+    fast, exact = evaluate(configs, progress=False), evaluate(configs, progress=False, engine="exact")
+    assert fast["status"].tolist() == exact["status"].tolist()
+    assert fast["reason"].tolist() == exact["reason"].tolist()
+    assert any("has dim 0 of size 130" in r for r in fast["reason"])  # d = 4 does not divide 130

@@ -114,8 +114,12 @@ class TransformerConfig:
 
 ModelConfig = MLPConfig | TransformerConfig
 
-_GPT2 = dict(vocab_size=50257, seq_len=1024)
-_GPT3 = dict(vocab_size=50257, seq_len=2048)
+# The 50,257-token GPT-2 BPE vocabulary padded to 50,304 = 393 x 128 rows, as
+# Megatron-LM trains it (--make-vocab-size-divisible-by 128): the embedding and
+# the head then split evenly over tensor and ZeRO degrees up to 128.
+_VOCAB = 50304
+_GPT2 = dict(vocab_size=_VOCAB, seq_len=1024)
+_GPT3 = dict(vocab_size=_VOCAB, seq_len=2048)
 
 _PRESETS: dict[str, ModelConfig] = {
     # DistIR's MLP grid (paper, Section 5).

@@ -83,6 +83,8 @@ class LayerFeatures:
       grad_types: per part, the types of its weight gradients.
       grad_order: per part, its weight gradients' bytes in the order its
         backward produces them.
+      weights: per part, ``(name, type)`` of its weights in optimizer order
+        (the names of the model's first block, embedding and head).
       op_layers, op_flops: the measured model's ops (all but optimizer updates):
         their layers, and their flops ``[S, ops]``, for
         :meth:`layer_costs`.
@@ -120,6 +122,7 @@ class LayerFeatures:
     accumulate: np.ndarray
     grad_types: tuple
     grad_order: tuple
+    weights: tuple
     backward_rise: np.ndarray
     backward_net: np.ndarray
     segments: tuple = ()
@@ -278,9 +281,11 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
     backward_net = np.asarray([[[n for _, n in v] for v in part] for part in replays])
     linear = linear_features(fine, topology, s)
     updates: list[list] = [[], [], []]
+    weights: list[list] = [[], [], []]
     for i, (op, (kind, part)) in enumerate(zip(fn.ops, labels, strict=True)):
         if kind == "opt" and op.op_type in ("SGD", "Adam"):
             updates[part].append((op.inputs[1].name, float(op.inputs[0].type.num_bytes), linear[0, i]))
+            weights[part].append((op.inputs[0].name, op.inputs[0].type))
     segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(3))
     # Weight gradients of each part in the order its backward produces them
     # (the order a data-parallel transform reduces them in).
@@ -329,6 +334,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         accumulate=accumulate,
         grad_types=tuple(tuple(g) for g in grads),
         grad_order=tuple(tuple(g) for g in grad_order),
+        weights=tuple(tuple(w) for w in weights),
         backward_rise=backward_rise,
         backward_net=backward_net,
         segments=segments,

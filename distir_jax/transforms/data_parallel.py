@@ -164,6 +164,17 @@ def _split_rows(t: TensorType, degree: int) -> TensorType:
     return t.with_shape((t.shape[0] // degree,) + t.shape[1:])
 
 
+def zero_shard_problem(name: str, weight_type, degree: int) -> str:
+    """Why ZeRO cannot shard weight ``name`` over ``degree`` replicas, or ``""``."""
+    if weight_type.rank == 0 or not dim_divides(weight_type.shape[0], degree):
+        size = dim_str(weight_type.shape[0]) if weight_type.rank else "none (a scalar)"
+        return (
+            f"data_parallel(zero=True): weight %{name} has dim 0 of size {size}, which "
+            f"degree={degree} must divide: ZeRO shards optimizer state along axis 0"
+        )
+    return ""
+
+
 def _fits(bucket: list[_Grad], grad: _Grad, cap: float) -> bool:
     """Whether ``grad`` may join ``bucket`` (see the module docstring)."""
     if not bucket:
@@ -251,12 +262,9 @@ class _Replicator:
                     f"data_parallel(zero=True): {', '.join('%' + n for n in shared)} must be read only by "
                     f"optimizer op #{index}, since ZeRO keeps only a shard of it"
                 )
-            if weight.type.rank == 0 or not dim_divides(weight.type.shape[0], self.degree):
-                size = dim_str(weight.type.shape[0]) if weight.type.rank else "none (a scalar)"
-                raise ValueError(
-                    f"data_parallel(zero=True): weight %{weight.name} has dim 0 of size {size}, which "
-                    f"degree={self.degree} must divide: ZeRO shards optimizer state along axis 0"
-                )
+            problem = zero_shard_problem(weight.name, weight.type, self.degree)
+            if problem:
+                raise ValueError(problem)
 
     # ------------------------------------------------------------------ #
     # Emission helpers.
