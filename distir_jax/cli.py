@@ -16,7 +16,8 @@ import time
 from collections.abc import Sequence
 
 # The built-in sweep: GPT-3 XL (1.3B) training on two DGX A100 nodes, every
-# degree, schedule, recomputation and ZeRO choice (~1,200 strategies, seconds).
+# degree, schedule, recomputation, ZeRO and gradient-overlap choice (~2,200
+# strategies, seconds).
 # (GPT-2 XL's 25 heads would rule out every tensor-parallel degree on 16 GPUs.)
 DEFAULT_SWEEP = dict(
     model="gpt3-xl",
@@ -26,6 +27,7 @@ DEFAULT_SWEEP = dict(
     schedules="1f1b,interleaved",
     recompute="none,attention,full",
     zero="both",
+    overlap="both",
     dtype="bf16",
     optimizer="adam",
     hardware="dgx-a100-80gb",
@@ -141,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Simulate every strategy of a space in batched kernel calls, print the best ones and "
         "write one row per configuration to a results file. With no options: GPT-3 XL "
         "training on 16 GPUs of 2 DGX A100 nodes, global batch 64, 256 and 1024, every degree, "
-        "schedule, recomputation and ZeRO choice.",
+        "schedule, recomputation, ZeRO and gradient-overlap choice.",
     )
     _add_model_options(s, many=True)
     s.add_argument(
@@ -231,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--overlap",
         choices=tuple(_CHOICE),
-        default="no",
-        help="overlap gradient all-reduces with the backward pass: no, yes or both (default: no)",
+        default=DEFAULT_SWEEP["overlap"],
+        help="overlap gradient all-reduces with the backward pass: no, yes or both "
+        f"(default: {DEFAULT_SWEEP['overlap']})",
     )
     s.add_argument(
         "--output",

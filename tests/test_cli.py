@@ -23,6 +23,8 @@ SMALL_SWEEP = [
     "sgd",
     "--zero",
     "no",
+    "--overlap",
+    "no",
     "--microbatches",
     "2,4",
     "--schedules",
