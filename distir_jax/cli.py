@@ -359,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as err:  # e.g. a parallelism transform that is not installed
         print(f"distir-jax {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (`distir-jax sweep | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def _sweep(args) -> int:
