@@ -25,13 +25,17 @@ uses ``1 + flops``, which reproduces its order exactly):
   last step holds the gradient all-reduce (or ZeRO reduce-scatter and
   all-gather) and the Adam update; with overlap, each chunk's reduction is an
   op on stream 1 right after the chunk's last backward, then the update (and
-  with ZeRO the all-gather, again on stream 1).
+  with ZeRO the all-gather, again on stream 1). With ``segments`` (exact
+  overlap), each chunk's last backward is instead cut after every weight
+  gradient, each gradient reduced on stream 1 right after its segment, and
+  with ZeRO the updates and all-gathers run weight by weight.
 
 Dependencies: a step's inputs arrive by messages that occupy its device's
 stream before it, so under the analytic cost model (an op busy until it
 finishes on every resource it holds) issue order implies them; only the
 stream-1 data-parallel ops carry explicit dependencies, which keeps the
-kernel's finish-time table to a few slots.
+kernel's finish-time table to a few slots (with ZeRO and exact overlap, one
+per weight of a stage: each update waits for its own reduction).
 
 Symmetry reduction: devices are numbered as the transforms number them
 (tensor ranks adjacent, then stages, data replicas outermost: ``dp * p * t +
