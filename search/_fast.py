@@ -81,7 +81,9 @@ class FastEngine:
     def __init__(self, configs: Sequence[Config]):
         sizes: dict[tuple, set] = {}
         for c in configs:
-            sizes.setdefault(_measure_key(c), set()).add(c.microbatch_size)
+            # A replica's microbatch, and the pipeline transform's (which runs
+            # before data parallelism splits it d ways): see _prepare.
+            sizes.setdefault(_measure_key(c), set()).update((c.microbatch_size, c.microbatch_size * c.data))
         self._sizes = {key: tuple(sorted(v)) for key, v in sizes.items()}
 
     def prepare(self, group: Sequence[Config]) -> list[tuple[Config, Prepared | None, int, str]] | None:
@@ -115,7 +117,9 @@ class FastEngine:
 
     def _prepare(self, config: Config, group: Sequence[Config]) -> tuple[Prepared, tuple]:
         key = _measure_key(config)
-        sizes = self._sizes.get(key) or tuple(sorted({c.microbatch_size for c in group}))
+        sizes = self._sizes.get(key) or tuple(
+            sorted({c.microbatch_size for c in group} | {c.microbatch_size * c.data for c in group})
+        )
         model, tensor, recompute, optimizer, hardware, dtype = key
         features = layer_features(
             model, tensor, recompute, sizes, _measure_topology(hardware, dtype, tensor), optimizer=optimizer
@@ -127,8 +131,10 @@ class FastEngine:
                     if problem:
                         raise ValueError(problem)
         # The exact engine builds this key with its own batch sizes as variants, and
-        # the transform cuts stages and orders steps by their mean flops: so here too.
-        variants = sorted({sizes.index(c.microbatch_size) for c in group})
+        # the pipeline transform, which runs before data parallelism, cuts stages
+        # and orders steps by the mean flops of its microbatches (d replicas'
+        # worth each): so here too.
+        variants = sorted({sizes.index(c.microbatch_size * c.data) for c in group})
         chunks = config.pipeline * config.virtual_stages
         layers = transform_layers_per_chunk(features, chunks, variants)  # raises if a stage splits a block
         topology = config.topology()
