@@ -188,8 +188,12 @@ def simulate(
         dep_get=jnp.maximum(dep, 0),
         dep_ok=(dep >= 0),
         out_set=jnp.where(out < 0, num_slots, out),
-        **{name: _configs_last(getattr(program, name), 1).astype(dtype) for name in COST_FEATURES},
     )
+    # Per-config structure: every op reads its own hardware rows, so every op is
+    # costed before the scan (below) and the scan step only moves clocks.
+    precost = not shared and costs is None
+    if not precost:
+        xs.update({name: _configs_last(getattr(program, name), 1).astype(dtype) for name in COST_FEATURES})
     if costs is not None:
         xs["costs"] = _configs_last(costs, 2).astype(dtype)
     hw = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), hardware)
@@ -207,11 +211,12 @@ def simulate(
             _configs_last(hw.link_latency, 2).reshape(pairs, -1),
         ]
     )  # [2D + 2D^2, Bh], speeds as seconds per flop / byte
-    device = jnp.maximum(dev[:, 0], 0)
-    pair = link[:, 0] * num_devices + link[:, 1]
-    xs["hw_rows"] = jnp.stack(
-        [device, device + num_devices, pair + 2 * num_devices, pair + 2 * num_devices + pairs], axis=1
-    ).astype(jnp.int32)  # [N, 4] or [N, 4, B]
+    if costs is None and not precost:
+        device = jnp.maximum(dev[:, 0], 0)
+        pair = link[:, 0] * num_devices + link[:, 1]
+        xs["hw_rows"] = jnp.stack(
+            [device, device + num_devices, pair + 2 * num_devices, pair + 2 * num_devices + pairs], axis=1
+        ).astype(jnp.int32)  # [N, 4]
     launch = _configs_last(hw.launch_overhead, 0)  # [Bh]
     maximum = None if temperature is None else (lambda a, c: _max2(a, c, temperature))
 
@@ -236,15 +241,10 @@ def simulate(
         )
         return jnp.broadcast_to(seconds, (b,))
 
-    if not shared and costs is None:
-        # Per-config structure: every op reads its own hardware rows, so cost
-        # every op before the scan and the scan step only moves clocks. The
-        # reads are row gathers in the programs' own [B, N] layout (CPU gathers
-        # along the last axis are ~5x cheaper than across configurations),
-        # transposed once at the end.
-        xs.pop("hw_rows")
-        for name in COST_FEATURES:
-            xs.pop(name)
+    if precost:
+        # The reads are row gathers in the programs' own [B, N] layout (CPU
+        # gathers along the last axis are ~5x cheaper than across
+        # configurations), transposed once at the end.
         table = hw_table.T  # [Bh, X]
         first_device = jnp.maximum(program.slot_device[..., 0], 0)  # [B, N]
         pair_rows = program.link[..., 0] * num_devices + program.link[..., 1] + 2 * num_devices

@@ -46,7 +46,7 @@ from distir_jax.models.config import MLPConfig, TransformerConfig
 from distir_jax.models.mlp import mlp_training_step
 from distir_jax.models.transformer import transformer_training_step
 from distir_jax.transforms.coarse_fuse import fuse_groups
-from distir_jax.transforms.coarse_segments import add_features, backward_ops, linear_features
+from distir_jax.transforms.coarse_segments import backward_ops, linear_features
 
 __all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features"]
 
@@ -81,8 +81,6 @@ class LayerFeatures:
       accumulate: ``[3, F]`` adding one microbatch's weight gradients of a part
         to the running sums (an ``Add`` per weight, in later microbatches' backwards).
       grad_types: per part, the types of its weight gradients.
-      grad_order: per part, its weight gradients' bytes in the order its
-        backward produces them.
       weights: per part, ``(name, type)`` of its weights in optimizer order
         (the names of the model's first block, embedding and head).
       op_layers, op_flops: the measured model's ops (all but optimizer updates):
@@ -121,7 +119,6 @@ class LayerFeatures:
     optimizer: np.ndarray
     accumulate: np.ndarray
     grad_types: tuple
-    grad_order: tuple
     weights: tuple
     backward_rise: np.ndarray
     backward_net: np.ndarray
@@ -143,6 +140,14 @@ class LayerFeatures:
         size variants it is built with (``variants``; default all), in program order."""
         variants = tuple(range(self.num_variants)) if variants is None else tuple(variants)
         return _layer_costs(self, variants)
+
+    @property
+    def grad_order(self) -> tuple:
+        """Per part, its weight gradients' bytes in the order its backward produces
+        them (the order a data-parallel transform reduces them in)."""
+        return tuple(
+            tuple(float(np.max(g.num_bytes)) for g in seg.grads if g is not None) for seg in self.segments
+        )
 
     @property
     def num_variants(self) -> int:
@@ -287,13 +292,6 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
             updates[part].append((op.inputs[1].name, float(op.inputs[0].type.num_bytes), linear[0, i]))
             weights[part].append((op.inputs[0].name, op.inputs[0].type))
     segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(3))
-    # Weight gradients of each part in the order its backward produces them
-    # (the order a data-parallel transform reduces them in).
-    updated = {op.inputs[1].name for op in fn.ops if op.attr("phase") == "opt"}
-    grad_order: list[list[float]] = [[], [], []]
-    for op, (part, direction) in zip(fn.ops, labels, strict=True):
-        if direction == "B" and part != "opt":
-            grad_order[part] += [float(np.max(v.type.num_bytes)) for v in op.outputs if v.name in updated]
     # Per-op flops and layers, for the pipeline transform's per-layer costs.
     costed = [i for i, op in enumerate(fn.ops) if op.attr("phase") != "opt"]
     op_flops = per_variant(fine.flops)[:, costed]
@@ -313,9 +311,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
     for part in range(3):
         if ("opt", part) in index:  # parts without weights (an MLP's loss) have no update
             optimizer_features[part] = feats[0, index[("opt", part)]]
-    accumulate = np.asarray(
-        [sum((add_features(g, topology) for g in types), np.zeros(len(COST_FEATURES))) for types in grads]
-    )
+    accumulate = np.stack([seg.accumulate.sum(axis=0) for seg in segments])  # an Add per weight gradient
     b = np.asarray(sizes, np.float64)
     return LayerFeatures(
         model=model,
@@ -333,7 +329,6 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         optimizer=optimizer_features,
         accumulate=accumulate,
         grad_types=tuple(tuple(g) for g in grads),
-        grad_order=tuple(tuple(g) for g in grad_order),
         weights=tuple(tuple(w) for w in weights),
         backward_rise=backward_rise,
         backward_net=backward_net,

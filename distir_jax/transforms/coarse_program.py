@@ -41,8 +41,7 @@ __all__ = [
     "coarse_pipeline_program",
     "part_coefficients",
     "realize",
-    "segment_flags",
-    "update_order",
+    "segment_plan",
     "stage_devices",
     "stage_peak_memory",
     "transform_layers_per_chunk",
@@ -224,7 +223,7 @@ def chunk_tables(
       data, zero, mode: data-parallel degree, ZeRO, and :func:`data_mode`.
       segments: append the rows of each chunk's last backward cut into
         segments and of each gradient's reduction (mode ``"overlap"``, for a
-        template built with :func:`segment_flags`).
+        template built with :func:`segment_plan`).
 
     Returns:
       A :class:`ChunkTables` with a leading ``S`` axis.
@@ -378,30 +377,26 @@ def _chunk_updates(features: LayerFeatures, coef: np.ndarray, chunks) -> list[li
     return out
 
 
-def segment_flags(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> tuple:
-    """Per chunk, whether each segment of its last backward ends with a weight gradient
-    (the ``segments`` of :func:`~distir_jax.transforms.coarse_pipeline.pipeline_template`)."""
-    coef = part_coefficients(features, layers_per_chunk)
-    return tuple(
-        tuple(features.segments[q].grads[j] is not None for q, j, _, _ in chunk)
-        for chunk in _chunk_segments(features, coef)
-    )
-
-
-def update_order(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> tuple:
-    """Per chunk, for each weight in optimizer order, the segment whose reduction its
-    update waits for (the ``updates`` of
-    :func:`~distir_jax.transforms.coarse_pipeline.pipeline_template`, ZeRO with overlap)."""
+def segment_plan(features: LayerFeatures, layers_per_chunk: Sequence[int], zero: bool) -> tuple:
+    """``(segments, updates)`` of :func:`~distir_jax.transforms.coarse_pipeline.pipeline_template`
+    for exact overlap: per chunk, whether each segment of its last backward ends
+    with a weight gradient; and with ZeRO, per chunk, for each weight in
+    optimizer order, the segment whose reduction its update waits for (else None)."""
     coef = part_coefficients(features, layers_per_chunk)
     chunks = _chunk_segments(features, coef)
-    return tuple(tuple(pos for _, _, pos in chunk) for chunk in _chunk_updates(features, coef, chunks))
+    flags = tuple(
+        tuple(features.segments[q].grads[j] is not None for q, j, _, _ in chunk) for chunk in chunks
+    )
+    if not zero:
+        return flags, None
+    return flags, tuple(tuple(pos for _, _, pos in c) for c in _chunk_updates(features, coef, chunks))
 
 
 def _with_segments(
     tables: ChunkTables, features: LayerFeatures, coef, k: int, data: int, zero: bool
 ) -> ChunkTables:
     """``tables`` plus segment rows, one reduction row per segment (zero for tails), and with
-    ZeRO an update row then an all-gather row per weight (see :func:`update_order`)."""
+    ZeRO an update row then an all-gather row per weight (see :func:`segment_plan`)."""
     later = int(k > 1)  # the last microbatch adds to running sums unless it is the only one
     chunks = _chunk_segments(features, coef)
     updates = _chunk_updates(features, coef, chunks) if zero else []
@@ -640,8 +635,7 @@ def coarse_pipeline_program(
         )
     mode = data_mode(int(data), bool(overlap), bool(zero))
     segments = overlap_segments and mode.startswith("overlap")
-    flags = segment_flags(features, layers) if segments else None
-    updates = update_order(features, layers) if segments and mode == "overlap_zero" else None
+    flags, updates = segment_plan(features, layers, mode == "overlap_zero") if segments else (None, None)
     template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs, flags, updates)
     tables = chunk_tables(
         features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode, segments=segments
