@@ -465,14 +465,38 @@ def gpt3_configs_per_second(quick: bool, *, fit_only: bool = False, verbose: boo
     )
 
 
+def _tune(rows_per_call: int, op_rows_per_call: int, seconds_per_op_row: float) -> None:
+    """Call sizes and the capacity cost model; the defaults are sized for a 2-core CPU."""
+    global _MAX_ROWS_PER_CALL, _OP_ROWS_PER_CALL, _SECONDS_PER_OP_ROW
+    _MAX_ROWS_PER_CALL, _OP_ROWS_PER_CALL = rows_per_call, op_rows_per_call
+    _SECONDS_PER_OP_ROW = seconds_per_op_row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every 8th configuration only")
     parser.add_argument(
         "--fit-only", action="store_true", help="simulate fitting configurations' timelines only"
     )
+    parser.add_argument(
+        "--rows-per-call", type=int, default=_MAX_ROWS_PER_CALL, help="most configurations per kernel call"
+    )
+    parser.add_argument(
+        "--op-rows-per-call", type=int, default=_OP_ROWS_PER_CALL, help="most ops x configurations per call"
+    )
+    parser.add_argument(
+        "--seconds-per-op-row",
+        type=float,
+        default=_SECONDS_PER_OP_ROW,
+        help="kernel cost per padded op-row, for choosing capacities (accelerators: lower)",
+    )
     args = parser.parse_args()
+    _tune(args.rows_per_call, args.op_rows_per_call, args.seconds_per_op_row)
     print(f"# {platform.node()} {platform.machine()} jax {jax.__version__} devices={jax.devices()}")
+    print(
+        f"# rows/call {_MAX_ROWS_PER_CALL}, op-rows/call {_OP_ROWS_PER_CALL}, "
+        f"s/op-row {_SECONDS_PER_OP_ROW:g}, s/compile {_SECONDS_PER_COMPILE:g}"
+    )
     r = gpt3_configs_per_second(args.quick, fit_only=args.fit_only)
     print(
         f"space: {r['space_configs']} configurations; evaluated {r['configs']} ({r['structural_keys']} "
