@@ -41,7 +41,13 @@ from distir_jax.transforms.coarse import (
 from distir_jax.transforms.data_parallel import data_parallel
 from distir_jax.transforms.pipeline import balanced_boundaries, pipeline_parallel
 from distir_jax.transforms.recompute import recompute
-from distir_jax.transforms.schedules import Step, global_issue_order, make_schedule, schedule_times
+from distir_jax.transforms.schedules import (
+    Step,
+    estimated_issue_order,
+    global_issue_order,
+    make_schedule,
+    schedule_times,
+)
 from distir_jax.transforms.tensor_parallel import tensor_parallel
 
 GPT = TransformerConfig(num_layers=4, hidden=64, num_heads=4, vocab_size=128, seq_len=16, dtype="f32")
@@ -379,8 +385,23 @@ def test_issue_order_is_global_issue_orders(schedule, p, k, v):
     messages += [
         (Step(c, m, "B"), Step(c - 1, m, "B"), ("g", c, m)) for c in range(n - 1, 0, -1) for m in range(k)
     ]
-    times = schedule_times(plan, n, lambda st: costs[st.chunk, int(st.direction == "B")])
-    want = [tuple(e) if what == "step" else e for what, e in global_issue_order(plan, n, messages, times)]
+    # The transform's order (array arithmetic) is the step-by-step rule applied to the same times.
+    chunk, mb, backward = schedule_arrays(schedule, p, k, v)
+    start, finish = estimated_times(chunk, mb, backward, n, costs[chunk, backward.astype(int)])
+    times = {
+        Step(int(c), int(m), "B" if b else "F"): (s0, f0)
+        for c, m, b, s0, f0 in zip(
+            chunk.ravel(),
+            mb.ravel(),
+            backward.ravel(),
+            start.ravel().tolist(),
+            finish.ravel().tolist(),
+            strict=True,
+        )
+    }
+    transform = estimated_issue_order(plan, n, messages, costs)
+    assert transform == global_issue_order(plan, n, messages, times)
+    want = [tuple(e) if what == "step" else e for what, e in transform]
     names = {0: "F", 1: "B", 2: "a", 3: "g"}
     got = []
     for kind, c, m in zip(template.kind, template.chunk, template.microbatch, strict=True):

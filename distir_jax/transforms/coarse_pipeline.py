@@ -60,7 +60,7 @@ import functools
 import numpy as np
 
 from distir_jax.lower import NO_SLOT
-from distir_jax.transforms.coarse_schedule import estimated_times, message_times, schedule_arrays
+from distir_jax.transforms.coarse_schedule import estimated_times, issue_order, schedule_arrays
 
 __all__ = [
     "DATA_MODES",
@@ -230,8 +230,8 @@ def pipeline_template(
         by their estimated start with unit forward and double backward costs,
         messages when their data is ready. Or ``[p * v, 2]`` estimated seconds
         of each chunk's forward and backward: then the order is
-        :func:`~distir_jax.transforms.schedules.global_issue_order`'s, as the
-        pipeline transform computes it from the same estimates.
+        :func:`~distir_jax.transforms.schedules.estimated_issue_order`'s, as
+        the pipeline transform computes it from the same estimates.
 
       segments: with gradient overlap (``mode`` ``"overlap"``): per chunk, a
         tuple of bools, one per segment of its last backward, True where the
@@ -280,22 +280,18 @@ def _cached_core(p, k, v, schedule):
 
 
 def _core(p, k, v, schedule, step_costs) -> dict:
-    """Steps and messages in the order of
-    :func:`~distir_jax.transforms.schedules.global_issue_order`: steps by
-    estimated start, messages by :func:`message_times`, a message before a step
-    at equal times. Independent of data parallelism, so shared by its modes."""
+    """Steps and messages in the pipeline transform's order
+    (:func:`~distir_jax.transforms.schedules.estimated_issue_order`).
+    Independent of data parallelism, so shared by its modes."""
     chunk, mb, backward = schedule_arrays(schedule, p, k, v)
     n = p * v
-    unit_costs = step_costs is None
-    if unit_costs:  # a forward per chunk, a backward twice that
+    if step_costs is None:  # a forward per chunk, a backward twice that
         step_costs = np.stack([np.ones(n), 2.0 * np.ones(n)], axis=1)
     step_costs = np.asarray(step_costs, np.float64)
     if step_costs.shape != (n, 2) or not np.all(step_costs > 0):
         raise ValueError(f"step_costs must be [p * v, 2] = [{n}, 2] positive numbers, got {step_costs.shape}")
-    if unit_costs:  # integer costs: the vectorized sums are exact
-        start, finish = estimated_times(chunk, mb, backward, n, step_costs[chunk, backward.astype(np.int64)])
-    else:  # the transform's own arithmetic, so that equal times stay equal
-        start, finish = _transform_times(schedule, chunk, mb, backward, p, k, v, step_costs)
+    # The pipeline transform's own estimate (schedules.estimated_issue_order), bit for bit.
+    start, finish = estimated_times(chunk, mb, backward, n, step_costs[chunk, backward.astype(np.int64)])
     m = chunk.shape[1]
     flat_chunk, flat_mb, flat_bwd = chunk.reshape(-1), mb.reshape(-1), backward.reshape(-1)
     device = np.repeat(np.arange(p), m)
@@ -307,14 +303,10 @@ def _core(p, k, v, schedule, step_costs) -> dict:
     grad_c = n - 1 - act_c
     producer = np.concatenate([position[0, act_c, act_m], position[1, grad_c, act_m]])
     consumer = np.concatenate([position[0, act_c + 1, act_m], position[1, grad_c - 1, act_m]])
-    tau = message_times(start, finish, producer, consumer)
+    order = issue_order(start, finish, producer, consumer)
     num_messages = len(producer)
-    time = np.concatenate([start.reshape(-1), tau])
-    tier = np.concatenate([np.ones(p * m), np.zeros(num_messages)])
-    third = np.concatenate([device, np.arange(num_messages)])
-    order = np.lexsort((third, tier, time))
-    rank = np.empty(len(time), np.int64)
-    rank[order] = 2 * np.arange(len(time))
+    rank = np.empty(len(order), np.int64)
+    rank[order] = 2 * np.arange(len(order))
     msg_kind = np.repeat([SEND_ACTIVATION, SEND_GRADIENT], (n - 1) * k)
     msg_chunk = np.concatenate([act_c, grad_c])
     receiver = np.where(msg_kind == SEND_ACTIVATION, msg_chunk + 1, msg_chunk - 1) % p
@@ -331,34 +323,6 @@ def _core(p, k, v, schedule, step_costs) -> dict:
         stage2=np.concatenate([np.full(p * m, -1), receiver]),
         last_backward=np.concatenate([flat_bwd & (flat_mb == k - 1), np.zeros(num_messages, bool)]),
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _named_schedule(schedule: str, p: int, k: int, v: int):
-    from distir_jax.transforms.schedules import make_schedule
-
-    return make_schedule(schedule, p, k, v)  # read only here
-
-
-def _transform_times(schedule, chunk, mb, backward, p, k, v, step_costs):
-    """:func:`~distir_jax.transforms.schedules.schedule_times` as ``[p, M]`` arrays."""
-    from distir_jax.transforms.schedules import schedule_times
-
-    costs = np.asarray(step_costs, np.float64).tolist()  # Python floats: read once per step
-    times = schedule_times(
-        _named_schedule(schedule, p, k, v),
-        p * v,
-        lambda st: costs[st.chunk][st.direction == "B"],
-    )
-    # Steps are (chunk, microbatch, direction) named tuples: plain tuples find them.
-    pairs = [
-        times[(c, m, "B" if b else "F")]
-        for c, m, b in zip(
-            chunk.reshape(-1).tolist(), mb.reshape(-1).tolist(), backward.reshape(-1).tolist(), strict=True
-        )
-    ]
-    start, finish = np.asarray(pairs, np.float64).T
-    return start.reshape(chunk.shape), finish.reshape(chunk.shape)
 
 
 def _build_template(
@@ -480,21 +444,20 @@ def _split_last_backwards(core: dict, segments: tuple) -> dict:
     ``r + 2 j`` and its reduction ``r + 2 j + 1``, all below the next event.
     """
     scale = 2 * max(len(c) for c in segments) + 2
-    rank = core["rank"] * (scale // 2)
-    pieces = {name: [] for name in ("rank", "kind", "chunk", "mb", "stage", "stage2", "last_backward")}
-    segment, ends_grad = [], []
-    for i in range(len(core["rank"])):
-        c = int(core["chunk"][i])
-        count = len(segments[c]) if core["last_backward"][i] else 1
-        for j in range(count):
-            pieces["rank"].append(rank[i] + 2 * j)
-            for name in ("kind", "chunk", "mb", "stage", "stage2", "last_backward"):
-                pieces[name].append(core[name][i])
-            segment.append(j if core["last_backward"][i] else -1)
-            ends_grad.append(bool(core["last_backward"][i]) and segments[c][j])
-    out = {name: np.asarray(values) for name, values in pieces.items()}
-    out["last_backward"] = out["last_backward"].astype(bool)
-    return dict(core, **out, segment=np.asarray(segment, np.int64), ends_grad=np.asarray(ends_grad, bool))
+    last = core["last_backward"]
+    count = np.where(last, np.array([len(c) for c in segments], np.int64)[core["chunk"]], 1)
+    source = np.repeat(np.arange(len(count)), count)
+    # Position of each piece within its step: 0 .. count - 1.
+    j = np.arange(len(source)) - np.repeat(np.cumsum(count) - count, count)
+    out = {name: core[name][source] for name in ("kind", "chunk", "mb", "stage", "stage2", "last_backward")}
+    out["rank"] = core["rank"][source] * (scale // 2) + 2 * j
+    split = out["last_backward"]
+    # ends_grad[chunk][segment], flattened: whether that segment ends with a weight gradient.
+    offsets = np.cumsum([0] + [len(c) for c in segments])
+    flags = np.fromiter((f for c in segments for f in c), bool, int(offsets[-1]))
+    ends_grad = np.zeros(len(source), bool)
+    ends_grad[split] = flags[offsets[out["chunk"][split]] + j[split]]
+    return dict(core, **out, segment=np.where(split, j, -1), ends_grad=ends_grad)
 
 
 def _finish_slots(deps):

@@ -406,33 +406,47 @@ def _with_segments(
     cost = np.zeros((s, 2 * total + 2 * weights, _F))
     alloc = np.zeros((s, 2 * total + 2 * weights, 2))
     free = np.zeros_like(alloc)
-    row = 0
-    for chunk in chunks:
-        for q, j, freed, _ in chunk:
-            seg = features.segments[q]
-            cost[:, row] = seg.cost[j] + later * seg.accumulate[j][None, :]
-            alloc[:, row, 0] = seg.rise[later, int(freed), j]
-            free[:, row, 0] = seg.rise[later, int(freed), j] - seg.net[later, int(freed), j]
-            grad = seg.grads[j]
-            if grad is not None:  # its reduction writes a new buffer (a 1/d shard with ZeRO), then it goes
-                nbytes = float(np.max(grad.num_bytes))
-                cost[:, total + row] = _collective("ReduceScatter" if zero else "AllReduce", grad, data)
-                alloc[:, total + row, 0] = nbytes / data if zero else nbytes
-                free[:, total + row, 0] = nbytes
-            row += 1
-    row = 2 * total
-    scaled = np.zeros(_F, bool)
-    scaled[_SCALED] = True
-    for chunk in updates:  # ZeRO: each replica updates its shard in place, then all-gathers the weight
-        for q, u, _ in chunk:
-            j, weight_bytes, update = features.segments[q].updates[u]
+    # Chunks repeat the same block segments: fill each distinct one once, then gather.
+    seg_rows = [(q, j, int(freed)) for chunk in chunks for q, j, freed, _ in chunk]
+    distinct = {key: i for i, key in enumerate(dict.fromkeys(seg_rows))}
+    u = len(distinct)
+    u_cost, u_alloc, u_free = np.zeros((s, u, _F)), np.zeros((s, u)), np.zeros((s, u))
+    r_cost, r_alloc, r_free = np.zeros((u, _F)), np.zeros(u), np.zeros(u)
+    for (q, j, freed), i in distinct.items():
+        seg = features.segments[q]
+        u_cost[:, i] = seg.cost[j] + later * seg.accumulate[j][None, :]
+        u_alloc[:, i] = seg.rise[later, freed, j]
+        u_free[:, i] = seg.rise[later, freed, j] - seg.net[later, freed, j]
+        grad = seg.grads[j]
+        if grad is not None:  # its reduction writes a new buffer (a 1/d shard with ZeRO), then it goes
+            nbytes = float(np.max(grad.num_bytes))
+            r_cost[i] = _collective("ReduceScatter" if zero else "AllReduce", grad, data)
+            r_alloc[i] = nbytes / data if zero else nbytes
+            r_free[i] = nbytes
+    at = np.fromiter((distinct[r] for r in seg_rows), np.int64, total)
+    cost[:, :total], alloc[:, :total, 0], free[:, :total, 0] = u_cost[:, at], u_alloc[:, at], u_free[:, at]
+    cost[:, total : 2 * total] = r_cost[at]
+    alloc[:, total : 2 * total, 0], free[:, total : 2 * total, 0] = r_alloc[at], r_free[at]
+    if weights:  # ZeRO: each replica updates its shard in place, then all-gathers the weight
+        scaled = np.zeros(_F, bool)
+        scaled[_SCALED] = True
+        upd_rows = [(q, w) for chunk in updates for q, w, _ in chunk]
+        distinct = {key: i for i, key in enumerate(dict.fromkeys(upd_rows))}
+        u = len(distinct)
+        u_cost, u_free = np.zeros((s, u, _F)), np.zeros(u)
+        g_cost, g_alloc = np.zeros((u, _F)), np.zeros(u)
+        for (q, w), i in distinct.items():
+            j, weight_bytes, update = features.segments[q].updates[w]
             grad = features.segments[q].grads[j]
-            cost[:, row] = np.where(scaled, update / data, update)
-            free[:, row, 0] = float(np.max(grad.num_bytes)) / data  # the gradient shard
+            u_cost[:, i] = np.where(scaled, update / data, update)
+            u_free[i] = float(np.max(grad.num_bytes)) / data  # the gradient shard
             shard = grad.with_shape((grad.shape[0] // data, *grad.shape[1:]))
-            cost[:, weights + row] = _collective("AllGather", shard, data)
-            alloc[:, weights + row, 0] = weight_bytes  # the gathered weight, next to the old one
-            row += 1
+            g_cost[i] = _collective("AllGather", shard, data)
+            g_alloc[i] = weight_bytes  # the gathered weight, next to the old one
+        at = np.fromiter((distinct[r] for r in upd_rows), np.int64, weights)
+        row = 2 * total
+        cost[:, row : row + weights], free[:, row : row + weights, 0] = u_cost[:, at], u_free[at]
+        cost[:, row + weights :], alloc[:, row + weights :, 0] = g_cost[at], g_alloc[at]
     return ChunkTables(
         np.concatenate([tables.cost, cost], axis=1),
         np.concatenate([tables.alloc, alloc], axis=1),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["estimated_times", "message_times", "schedule_arrays"]
+__all__ = ["estimated_times", "issue_order", "message_times", "schedule_arrays"]
 
 
 def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
@@ -111,7 +111,8 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
     backward for the next chunk's backward (its own forward runs earlier on
     the same device); messages take no time. With integer costs the sums are
     exact and the times equal :func:`~distir_jax.transforms.schedules.schedule_times`'
-    bit for bit; otherwise they may differ in the last bits (other summation order).
+    bit for bit; otherwise they may differ in the last bits (other summation
+    order), but a step never starts before the finish it waits for.
 
     Args:
       chunk, microbatch, backward: ``[p, M]`` from :func:`schedule_arrays`.
@@ -143,7 +144,10 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
         ext = np.where(has_dep, finish.reshape(-1)[dep_index], 0.0)
         new = total + np.maximum.accumulate(np.maximum(ext - before, 0.0), axis=1)
         if np.array_equal(new, finish):
-            return finish - cost, finish
+            # Starts from the finishes they wait for, not ``finish - cost``: float
+            # rounding could put a step's start a bit before its input's finish.
+            previous = np.concatenate([np.zeros((p, 1)), finish[:, :-1]], axis=1)
+            return np.maximum(previous, ext), finish
         finish = new
     raise ValueError("the schedule deadlocks: estimated step times do not converge")
 
@@ -172,6 +176,29 @@ def message_times(start, finish, producer, consumer):
     if wait.size:
         out[wait] = _barrier_times(start, finish, producer[wait], consumer[wait], lo[wait], hi[wait])
     return out
+
+
+def issue_order(start, finish, producer, consumer) -> np.ndarray:
+    """:func:`~distir_jax.transforms.schedules.global_issue_order`'s order, as indices.
+
+    Steps go by estimated start (device number breaks ties), messages by
+    :func:`message_times` (their own order breaks ties), and a message before
+    a step at equal times.
+
+    Args:
+      start, finish: ``[p, M]`` estimated step times (see :func:`message_times`).
+      producer, consumer: ``[X]`` flat step indices of each message.
+
+    Returns:
+      ``[p * M + X]`` event indices in issue order: ``i < p * M`` is step
+      ``i`` (``device * M + position``), ``p * M + j`` is message ``j``.
+    """
+    p, m = start.shape
+    tau = message_times(start, finish, producer, consumer)
+    time = np.concatenate([start.reshape(-1), tau])
+    tier = np.concatenate([np.ones(p * m), np.zeros(len(tau))])
+    tie = np.concatenate([np.repeat(np.arange(p), m), np.arange(len(tau))])
+    return np.lexsort((tie, tier, time))
 
 
 def _barrier_times(start, finish, producer, consumer, lo, hi):

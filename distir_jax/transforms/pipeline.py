@@ -18,7 +18,7 @@ original's.
 
 Issue order: every device runs its steps in the schedule's order; the steps
 of all devices are interleaved by their estimated start times (per-step
-flops, see :func:`~distir_jax.transforms.schedules.global_issue_order`), each
+flops, see :func:`~distir_jax.transforms.schedules.estimated_issue_order`), each
 ``Send`` placed where its two devices come free together, and the optimizer
 ops follow after the flush. New ops carry the ``layer`` / ``phase`` of the op
 they serve and ``stage`` (pipeline device; a ``Send``'s receiver), ``chunk``
@@ -44,7 +44,7 @@ from distir_jax.ir.typecheck import infer_op_types, infer_types
 from distir_jax.ir.types import TensorType, dim_divides, dim_str
 from distir_jax.models.contract import grad_of
 from distir_jax.transforms.base import Distributed, InputSlice, Program, Recipe, as_distributed
-from distir_jax.transforms.schedules import Schedule, Step, global_issue_order, make_schedule, schedule_times
+from distir_jax.transforms.schedules import DIRECTIONS, Schedule, Step, estimated_issue_order, make_schedule
 
 # Inputs named l<layer>.<...> are weights or optimizer state; the rest are
 # data, whose axis 0 is the batch (the model contract).
@@ -491,12 +491,8 @@ class _Builder:
         self._declare_inputs()
         messages, first_use = self._messages()
         flops = {key: sum(_op_flops(self.fn.ops[i]) for i in ops) for key, ops in self.items.items()}
-        times = schedule_times(
-            self.schedule,
-            self.num_chunks,
-            lambda st: 1.0 + flops.get((st.chunk, st.direction), 0.0),
-        )
-        for kind, event in global_issue_order(self.schedule, self.num_chunks, messages, times):
+        step_costs = [[1.0 + flops.get((c, d), 0.0) for d in DIRECTIONS] for c in range(self.num_chunks)]
+        for kind, event in estimated_issue_order(self.schedule, self.num_chunks, messages, step_costs):
             if kind == "step":
                 self._step(event)
                 continue

@@ -14,8 +14,12 @@ strictly in order, so a schedule can deadlock; :func:`validate_schedule`
 proves it does not.
 
 Since the simulator's issue order *is* the schedule, the pipeline transform
-turns a schedule into one global list of steps and messages with
-:func:`global_issue_order`.
+turns a schedule into one global list of steps and messages:
+:func:`global_issue_order` states the rule step by step;
+:func:`estimated_issue_order`, which the transform uses, computes the same
+rule with array arithmetic (:mod:`~distir_jax.transforms.coarse_schedule`), so
+that the coarse program generator, which never builds ``Step`` objects, can
+reproduce the transform's order bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import bisect
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
 DIRECTIONS = ("F", "B")
@@ -365,3 +371,53 @@ def global_issue_order(
         events.append((tau, 0, index, ("message", key)))
     events.sort(key=lambda e: e[:3])
     return [e[3] for e in events]
+
+
+def estimated_issue_order(
+    schedule: Schedule,
+    num_chunks: int,
+    messages: Sequence[tuple[Step, Step, Hashable]],
+    step_costs,
+) -> list[tuple[str, object]]:
+    """:func:`global_issue_order` on times estimated from per-chunk costs, with array arithmetic.
+
+    The times are :func:`~distir_jax.transforms.coarse_schedule.estimated_times`'
+    (equal to :func:`schedule_times`' up to the last bits of float sums; bit
+    for bit with integer costs), and the order is the one
+    :func:`global_issue_order` gives on them.
+
+    Args:
+      schedule: a valid schedule (every device runs ``2 k v`` steps).
+      num_chunks: ``p * v``.
+      messages: as for :func:`global_issue_order`.
+      step_costs: ``[num_chunks, 2]`` positive cost of each chunk's forward
+        and backward.
+
+    Returns:
+      Events in issue order, as :func:`global_issue_order` returns them.
+    """
+    from distir_jax.transforms.coarse_schedule import estimated_times, issue_order
+
+    p = len(schedule)
+    rows = [schedule[d] for d in range(p)]
+    m = len(rows[0])
+    if any(len(r) != m for r in rows):
+        raise ValueError(f"every device of a valid schedule runs as many steps, got {[len(r) for r in rows]}")
+    step_costs = np.asarray(step_costs, np.float64)
+    if step_costs.shape != (num_chunks, 2) or not np.all(step_costs > 0):
+        raise ValueError(
+            f"step_costs must be [{num_chunks}, 2] positive numbers, got shape {step_costs.shape}"
+        )
+    steps = [st for r in rows for st in r]
+    chunk = np.fromiter((st.chunk for st in steps), np.int64, len(steps)).reshape(p, m)
+    mb = np.fromiter((st.microbatch for st in steps), np.int64, len(steps)).reshape(p, m)
+    backward = np.fromiter((st.direction == "B" for st in steps), bool, len(steps)).reshape(p, m)
+    start, finish = estimated_times(
+        chunk, mb, backward, num_chunks, step_costs[chunk, backward.astype(np.int64)]
+    )
+    flat = {st: i for i, st in enumerate(steps)}
+    producer = np.fromiter((flat[a] for a, _, _ in messages), np.int64, len(messages))
+    consumer = np.fromiter((flat[b] for _, b, _ in messages), np.int64, len(messages))
+    order = issue_order(start, finish, producer, consumer)
+    n = len(steps)
+    return [("step", steps[i]) if i < n else ("message", messages[i - n][2]) for i in order.tolist()]
