@@ -138,8 +138,10 @@ class FastEngine:
         chunks = config.pipeline * config.virtual_stages
         layers = transform_layers_per_chunk(features, chunks, variants)  # raises if a stage splits a block
         topology = config.topology()
+        # The program carries only this key's own microbatch sizes as variants.
+        used = sorted({sizes.index(c.microbatch_size) for c in group})
         program = coarse_pipeline_program(
-            features,
+            features.take_variants(used),
             topology,
             pipeline=config.pipeline,
             microbatches=max(config.microbatches, 1),
@@ -152,7 +154,7 @@ class FastEngine:
             step_costs=transform_step_costs(features, layers, variants),
             overlap_segments=True,
         )
-        return compact(program, topology), sizes
+        return compact(program, topology), tuple(sizes[i] for i in used)
 
 
 def _measure_key(config: Config) -> tuple:

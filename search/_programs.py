@@ -14,8 +14,10 @@ bucket's capacity, next to the hardware it runs on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from distir_jax.cost import COST_FEATURES
@@ -55,6 +57,12 @@ class Prepared:
     @property
     def capacity(self) -> Capacity:
         return self.program.capacity
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        """Host bytes of its arrays (what holding it pending costs)."""
+        leaves = jax.tree_util.tree_leaves((self.program, self.hardware, self.devices, self.peak_bytes))
+        return int(sum(np.asarray(x).nbytes for x in leaves))
 
 
 def compact(program: Program, topology: Topology) -> Prepared:

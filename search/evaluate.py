@@ -77,6 +77,10 @@ _COMM_FEATURES = ("comm_volume", "comm_hops")
 _SECONDS_PER_OP_ROW = 2.5e-7
 _SECONDS_PER_COMPILE = 1.0
 _MIN_ROWS = 32
+# Programs waiting in buckets may hold at most this many times ``max_bytes`` of
+# host memory; past it the bucket holding the most runs early (a GPT-3 175B
+# program of 1024 microbatches is ~100 MB on the host).
+_HELD_PER_CALL_BYTES = 2
 
 
 def evaluate(
@@ -101,7 +105,8 @@ def evaluate(
         evaluated; the merged table is written back (also every
         ``checkpoint_seconds`` while running, so an interrupted sweep resumes).
       max_configs_per_call: most rows in one kernel call.
-      max_bytes: most estimated kernel memory of one call, in bytes.
+      max_bytes: most estimated kernel memory of one call, in bytes; programs
+        waiting to be batched hold at most twice this on the host.
       progress: show a progress bar (tqdm if installed) in configurations/s.
       shard: split each call's rows over all local JAX devices.
       process_index, process_count: this host's slice of the configurations
@@ -268,14 +273,20 @@ class _Batcher:
         self.max_configs, self.max_bytes, self.devices, self.emit = max_configs, max_bytes, devices, emit
         self.items: dict[int, list] = {}
         self.capacity: dict[int, Capacity] = {}
+        # Host bytes of the distinct programs each bucket holds: large models' programs
+        # are big, and rows of many buckets wait at once, so the total is bounded too.
+        self.held: dict[int, dict[int, int]] = {}
 
     def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
         cap = prepared.capacity.bucketed()
         key = cap.num_ops
         self.capacity[key] = cap if key not in self.items else self.capacity[key].union(cap)
         self.items.setdefault(key, []).append((config, prepared, variant, engine))
+        self.held.setdefault(key, {})[id(prepared)] = prepared.nbytes
         if len(self.items[key]) >= self._limit(self.capacity[key]):
             self._flush(key)
+        elif sum(sum(h.values()) for h in self.held.values()) > _HELD_PER_CALL_BYTES * self.max_bytes:
+            self._flush(max(self.held, key=lambda k: sum(self.held[k].values())))
 
     def flush_all(self) -> None:
         """Simulates every pending row, in op capacities chosen for the whole remainder.
@@ -288,6 +299,7 @@ class _Batcher:
         pending = [item for items in self.items.values() for item in items]
         self.items.clear()
         self.capacity.clear()
+        self.held.clear()
         if not pending:
             return
         sizes = [item[1].capacity.num_ops for item in pending]
@@ -309,6 +321,7 @@ class _Batcher:
 
     def _flush(self, key: int) -> None:
         items, capacity = self.items.pop(key), self.capacity.pop(key)
+        self.held.pop(key, None)
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]

@@ -102,6 +102,26 @@ def test_one_compiled_kernel_serves_many_structural_keys(swept, monkeypatch):
     assert len(set(shapes)) == 1  # every call has the same shapes: one compile
 
 
+def test_held_programs_stay_bounded_and_early_calls_change_nothing(swept, monkeypatch):
+    configs, _ = swept
+    subset = configs[:80]
+    held, programs = [], {}
+    add = evaluate_module._Batcher.add
+
+    def spy(self, config, prepared, variant, engine):
+        programs[id(prepared)] = prepared.nbytes
+        add(self, config, prepared, variant, engine)
+        held.append(sum(sum(h.values()) for h in self.held.values()))
+
+    monkeypatch.setattr(evaluate_module._Batcher, "add", spy)
+    # A kernel-memory bound this small lets the programs of only a few keys wait at once.
+    tight = evaluate(subset, progress=False, max_bytes=200_000)
+    assert max(held) <= evaluate_module._HELD_PER_CALL_BYTES * 200_000 + max(programs.values())
+    assert max(held) < sum(programs.values())  # buckets ran early
+    monkeypatch.undo()
+    assert tight == evaluate(subset, progress=False)
+
+
 def test_out_of_memory_rows_are_simulated_and_explained():
     # mlp-medium's weights alone (64 x 16384^2 x 4 bytes, ~69 GB) overflow a 16 GB V100.
     space = StrategySpace(model="mlp-medium", world_sizes=(1,), hardware="v100-pcie-4", dtype="f32")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -152,6 +153,27 @@ class LayerFeatures:
     @property
     def num_variants(self) -> int:
         return int(self.microbatch_sizes.shape[0])
+
+    def take_variants(self, variants: Sequence[int]) -> LayerFeatures:
+        """These features for some of the size variants only, in the order given.
+
+        A sweep measures a block once for every microbatch size it needs; each
+        program needs only its own, and its arrays scale with their number."""
+        v = list(variants)
+        return dataclasses.replace(
+            self,
+            microbatch_sizes=self.microbatch_sizes[v],
+            step=self.step[:, :, v],
+            step_flops=self.step_flops[:, :, v],
+            peak_rise=self.peak_rise[:, :, v],
+            net_bytes=self.net_bytes[:, :, v],
+            message_bytes=self.message_bytes[v],
+            data_bytes=self.data_bytes[v],
+            backward_rise=self.backward_rise[..., v],
+            backward_net=self.backward_net[..., v],
+            segments=tuple(seg.take_variants(v) for seg in self.segments),
+            op_flops=None if self.op_flops is None else self.op_flops[v],
+        )
 
     def data_parallel(self, degree: int, zero: bool) -> tuple[np.ndarray, np.ndarray]:
         """Gradient communication of each part over ``degree`` replicas (ring collectives).

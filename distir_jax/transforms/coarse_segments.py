@@ -63,6 +63,12 @@ class PartSegments:
     def num_segments(self) -> int:
         return len(self.grads)
 
+    def take_variants(self, variants: list[int]) -> PartSegments:
+        """These segments for some of the size variants only."""
+        return dataclasses.replace(
+            self, cost=self.cost[:, variants], rise=self.rise[..., variants], net=self.net[..., variants]
+        )
+
 
 class _Grad(NamedTuple):
     name: str
