@@ -261,22 +261,23 @@ def pipeline_template(
         updates = tuple(tuple(int(j) for j in c) for c in updates)
     if step_costs is None and segments is None:
         return _cached_template(int(pipeline), int(microbatches), int(virtual_stages), schedule, mode)
-    core = (
-        _cached_core(int(pipeline), int(microbatches), int(virtual_stages), schedule)
-        if step_costs is None
-        else _core(int(pipeline), int(microbatches), int(virtual_stages), schedule, step_costs)
-    )
+    costs = None
+    if step_costs is not None:  # hashable: the data-parallel modes of one pipeline share a core
+        step_costs = np.asarray(step_costs, np.float64)
+        costs = (step_costs.shape, tuple(step_costs.ravel().tolist()))
+    core = _cached_core(int(pipeline), int(microbatches), int(virtual_stages), schedule, costs)
     return _build_template(core, mode, segments, updates)
 
 
 @functools.lru_cache(maxsize=16)
 def _cached_template(p, k, v, schedule, mode):
-    return _build_template(_cached_core(p, k, v, schedule), mode)
+    return _build_template(_cached_core(p, k, v, schedule, None), mode)
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_core(p, k, v, schedule):
-    return _core(p, k, v, schedule, None)
+@functools.lru_cache(maxsize=8)
+def _cached_core(p, k, v, schedule, costs):
+    step_costs = None if costs is None else np.asarray(costs[1], np.float64).reshape(costs[0])
+    return _core(p, k, v, schedule, step_costs)
 
 
 def _core(p, k, v, schedule, step_costs) -> dict:
