@@ -70,13 +70,19 @@ def compact(program: Program, topology: Topology) -> Prepared:
     num_devices = topology.num_devices
     streams = program.resource_device.shape[-1] // num_devices
     resident = np.asarray(program.resident_bytes).reshape(-1, num_devices)
-    used = set(np.asarray(program.slot_device)[np.asarray(program.slot_device) >= 0].tolist())
-    used.update(np.asarray(program.link).reshape(-1).tolist())
-    used.update(np.flatnonzero(resident.max(axis=0) > 0).tolist())
-    devices = np.asarray(sorted(used) or [0], np.int64)
+    slot_device = np.asarray(program.slot_device)
+    devices = np.unique(
+        np.concatenate(
+            [
+                slot_device[slot_device >= 0].ravel(),
+                np.asarray(program.link).ravel(),
+                np.flatnonzero(resident.max(axis=0) > 0),
+            ]
+        ).astype(np.int64)
+    )
+    devices = devices if devices.size else np.zeros(1, np.int64)
     remap = np.full(num_devices, NO_DEVICE, np.int64)
     remap[devices] = np.arange(len(devices))
-    slot_device = np.asarray(program.slot_device)
     new_slot_device = np.where(slot_device >= 0, remap[np.maximum(slot_device, 0)], NO_DEVICE)
     resource = np.asarray(program.resource)
     new_resource = np.where(
