@@ -343,6 +343,47 @@ def test_block_costs_scale_with_the_microbatch():
     )  # per pass: 2 ring all-reduces of 2 (t - 1) hops
 
 
+def test_taking_variants_equals_measuring_those_sizes_alone():
+    topo = topology()
+    both = layer_features(GPT, 2, "attention", [1, 2, 4], topo, optimizer="adam")
+    alone = layer_features(GPT, 2, "attention", [4, 1], topo, optimizer="adam")
+    taken = both.take_variants([2, 0])
+    for field in dataclasses.fields(taken):
+        got, want = getattr(taken, field.name), getattr(alone, field.name)
+        if field.name == "segments":
+            for a, b in zip(got, want, strict=True):
+                for name in ("cost", "accumulate", "rise", "net"):
+                    np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12)
+                assert a.grads == b.grads and len(a.updates) == len(b.updates)
+        elif isinstance(want, np.ndarray):
+            np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=field.name)
+        elif field.name != "model":
+            assert got == want, field.name
+    kwargs = dict(pipeline=2, microbatches=4, data=2, zero=True, overlap=True, overlap_segments=True)
+    one, two = (coarse_pipeline_program(f, topo, **kwargs) for f in (taken, alone))
+    np.testing.assert_allclose(one.peak_bytes, two.peak_bytes, rtol=1e-12)
+    np.testing.assert_allclose(one.linear_flops, two.linear_flops, rtol=1e-12)
+
+
+@pytest.mark.parametrize("schedule,p,k,v", [("1f1b", 4, 6, 1), ("gpipe", 3, 4, 1), ("interleaved", 2, 8, 2)])
+def test_estimated_steps_never_start_before_what_they_wait_for(schedule, p, k, v):
+    chunk, mb, backward = schedule_arrays(schedule, p, k, v)
+    # Costs whose float sums round (unlike small integers): starts may not be finish - cost.
+    costs = np.random.default_rng(7).uniform(0.1, 3.7, size=(p * v, 2)) * 1e9 + 0.123
+    start, finish = estimated_times(chunk, mb, backward, p * v, costs[chunk, backward.astype(int)])
+    assert np.all(start[:, 1:] >= finish[:, :-1]) and np.all(finish > start)
+    at = {
+        (int(c), int(m), bool(b)): (s0, f0)
+        for c, m, b, s0, f0 in zip(
+            chunk.ravel(), mb.ravel(), backward.ravel(), start.ravel(), finish.ravel(), strict=True
+        )
+    }
+    for (c, m, b), (s0, _) in at.items():
+        waits = [(c - 1, m, False)] if not b and c > 0 else [(c + 1, m, True)] if b and c < p * v - 1 else []
+        waits += [(c, m, False)] if b else []
+        assert all(s0 >= at[w][1] for w in waits)
+
+
 @pytest.mark.parametrize(
     "schedule,p,k,v",
     [
