@@ -18,8 +18,11 @@ issue order without a Python loop over steps:
 * :func:`message_times`: when each message is issued, by the rule of
   :func:`~distir_jax.transforms.schedules.global_issue_order` (the time
   between its producer's finish and its consumer's start where both devices
-  come free closest together), for all messages at once. Sorting steps by
-  estimated start and messages by these times gives that function's order.
+  come free closest together), for all messages at once.
+* :func:`issue_order`: steps by estimated start and messages by these times,
+  that function's order. The pipeline transform itself orders its program
+  this way (:func:`~distir_jax.transforms.schedules.estimated_issue_order`),
+  so coarse programs reproduce its order bit for bit.
 """
 
 from __future__ import annotations
