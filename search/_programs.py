@@ -71,16 +71,10 @@ def compact(program: Program, topology: Topology) -> Prepared:
     streams = program.resource_device.shape[-1] // num_devices
     resident = np.asarray(program.resident_bytes).reshape(-1, num_devices)
     slot_device = np.asarray(program.slot_device)
-    devices = np.unique(
-        np.concatenate(
-            [
-                slot_device[slot_device >= 0].ravel(),
-                np.asarray(program.link).ravel(),
-                np.flatnonzero(resident.max(axis=0) > 0),
-            ]
-        ).astype(np.int64)
-    )
-    devices = devices if devices.size else np.zeros(1, np.int64)
+    used = resident.max(axis=0) > 0
+    used[slot_device[slot_device >= 0]] = True
+    used[np.asarray(program.link)] = True
+    devices = np.flatnonzero(used) if used.any() else np.zeros(1, np.int64)
     remap = np.full(num_devices, NO_DEVICE, np.int64)
     remap[devices] = np.arange(len(devices))
     new_slot_device = np.where(slot_device >= 0, remap[np.maximum(slot_device, 0)], NO_DEVICE)

@@ -157,7 +157,8 @@ class PipelineTemplate:
         stage's in program order: ``(slot permutation, stage of each)``."""
         flat = self.stage.reshape(-1)
         used = np.flatnonzero(flat >= 0)
-        perm = used[np.argsort(flat[used], kind="stable")]
+        # Stages are small ints: a stable sort of int16 keys is a radix sort.
+        perm = used[np.argsort(flat[used].astype(np.int16), kind="stable")]
         return perm, flat[perm]
 
     @functools.cached_property
