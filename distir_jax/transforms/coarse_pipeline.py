@@ -54,6 +54,7 @@ comes from these events.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -275,10 +276,32 @@ def _cached_template(p, k, v, schedule, mode):
     return _build_template(_cached_core(p, k, v, schedule, None), mode)
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_core(p, k, v, schedule, costs):
-    step_costs = None if costs is None else np.asarray(costs[1], np.float64).reshape(costs[0])
-    return _core(p, k, v, schedule, step_costs)
+class _CoreCache:
+    """Cores of recent pipelines, least recently used first, bounded in bytes: sweeps
+    revisit a pipeline for each data-parallel degree and mode, and GPT-3-sized
+    cores are tens of MB each."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.held, self.cores = max_bytes, 0, collections.OrderedDict()
+
+    def get(self, p, k, v, schedule, costs) -> dict:
+        key = (p, k, v, schedule, costs)
+        if key in self.cores:
+            self.cores.move_to_end(key)
+            return self.cores[key]
+        step_costs = None if costs is None else np.asarray(costs[1], np.float64).reshape(costs[0])
+        core = self.cores[key] = _core(p, k, v, schedule, step_costs)
+        self.held += _nbytes(core)
+        while len(self.cores) > 1 and self.held > self.max_bytes:
+            self.held -= _nbytes(self.cores.popitem(last=False)[1])
+        return core
+
+
+_cached_core = _CoreCache(256 << 20).get
+
+
+def _nbytes(core: dict) -> int:
+    return sum(x.nbytes for x in core.values() if isinstance(x, np.ndarray))
 
 
 def _core(p, k, v, schedule, step_costs) -> dict:
