@@ -471,8 +471,8 @@ def product_configs_per_second(quick: bool) -> dict:
     The space is the equivalent ``StrategySpace``; its valid rows are evaluated
     (every 8th with ``quick``). The product's validity rules differ a little
     from :func:`enumerate_space`'s (11,250 valid rows against 10,458: it
-    allows uneven interleaved chunks and rules out tensor groups across
-    nodes), so the counts differ. Returns ``configs``, ``seconds``,
+    allows interleaved chunks of uneven sizes, and without a pipeline runs
+    one microbatch per replica), so the counts differ. Returns ``configs``, ``seconds``,
     ``configs_per_second`` and ``ok`` (rows that fit in memory).
     """
     from search import StrategySpace, enumerate_configs, evaluate
