@@ -276,16 +276,20 @@ class _Batcher:
         # Host bytes of the distinct programs each bucket holds: large models' programs
         # are big, and rows of many buckets wait at once, so the total is bounded too.
         self.held: dict[int, dict[int, int]] = {}
+        self.held_bytes = 0
 
     def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
         cap = prepared.capacity.bucketed()
         key = cap.num_ops
         self.capacity[key] = cap if key not in self.items else self.capacity[key].union(cap)
         self.items.setdefault(key, []).append((config, prepared, variant, engine))
-        self.held.setdefault(key, {})[id(prepared)] = prepared.nbytes
+        held = self.held.setdefault(key, {})
+        if id(prepared) not in held:
+            held[id(prepared)] = prepared.nbytes
+            self.held_bytes += prepared.nbytes
         if len(self.items[key]) >= self._limit(self.capacity[key]):
             self._flush(key)
-        elif sum(sum(h.values()) for h in self.held.values()) > _HELD_PER_CALL_BYTES * self.max_bytes:
+        elif self.held_bytes > _HELD_PER_CALL_BYTES * self.max_bytes:
             self._flush(max(self.held, key=lambda k: sum(self.held[k].values())))
 
     def flush_all(self) -> None:
@@ -300,6 +304,7 @@ class _Batcher:
         self.items.clear()
         self.capacity.clear()
         self.held.clear()
+        self.held_bytes = 0
         if not pending:
             return
         sizes = [item[1].capacity.num_ops for item in pending]
@@ -321,7 +326,7 @@ class _Batcher:
 
     def _flush(self, key: int) -> None:
         items, capacity = self.items.pop(key), self.capacity.pop(key)
-        self.held.pop(key, None)
+        self.held_bytes -= sum(self.held.pop(key, {}).values())
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]
