@@ -46,6 +46,7 @@ from distir_jax.transforms.coarse import (
 )
 from distir_jax.transforms.data_parallel import zero_shard_problem
 from search._programs import Prepared, compact
+from search._transform import parallel_config
 from search.space import HARDWARE_DTYPE, Config, _topology
 
 ENGINES = ("exact", "fast")
@@ -140,16 +141,17 @@ class FastEngine:
         topology = config.topology()
         # The program carries only this key's own microbatch sizes as variants.
         used = sorted({sizes.index(c.microbatch_size) for c in group})
+        pc = parallel_config(config)  # the transforms' reading of the row's knobs
         program = coarse_pipeline_program(
             features.take_variants(used),
             topology,
-            pipeline=config.pipeline,
-            microbatches=max(config.microbatches, 1),
-            data=config.data,
-            virtual_stages=config.virtual_stages,
-            schedule=config.schedule,
-            zero=config.zero,
-            overlap=config.overlap_grad_comm,
+            pipeline=pc.pipeline,
+            microbatches=pc.microbatches,
+            data=pc.data,
+            virtual_stages=pc.virtual_stages,
+            schedule=pc.schedule,
+            zero=pc.zero,
+            overlap=pc.overlap_grad_comm,
             layers_per_chunk=layers,
             step_costs=transform_step_costs(features, layers, variants),
             overlap_segments=True,

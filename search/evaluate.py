@@ -165,8 +165,7 @@ def evaluate(
                 emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
             else:
                 batcher.add(config, prepared, variant, "fast" if fast else "exact")
-            # Building dominates a sweep's time (kernel calls take milliseconds
-            # per thousand rows), so progress counts configurations built.
+            # Progress counts configurations prepared (see the module docstring's "Time").
             bar.update(1)
     batcher.flush_all()
     bar.close()

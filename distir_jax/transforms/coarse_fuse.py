@@ -43,9 +43,19 @@ from distir_jax.ir.topology import Topology
 from distir_jax.lower import NO_SLOT, Program, allocate_finish_slots, lower, peak_memory
 from distir_jax.transforms.base import Distributed
 
-__all__ = ["allocate_finish_slots", "coarsen", "fuse_groups", "prune_implied"]
+__all__ = ["allocate_finish_slots", "coarsen", "fuse_groups", "prune_implied", "roofline_terms"]
 
 _LINEAR = ("launches", "linear_flops", "linear_bytes", "comm_volume", "comm_hops")
+
+
+def roofline_terms(flops, mem_bytes, per_flop, per_byte):
+    """An op's roofline ``max(flops * per_flop, bytes * per_byte)`` as linear terms:
+    ``(linear_flops, linear_bytes)``, only the bound one nonzero. Exact on the
+    device whose speeds are given, and additive, so fused ops sum their terms."""
+    compute_bound = flops * per_flop >= mem_bytes * per_byte
+    return np.where(compute_bound, flops, 0.0), np.where(compute_bound, 0.0, mem_bytes)
+
+
 _COMM = ("comm_volume", "comm_hops")
 
 
@@ -237,13 +247,11 @@ def _fused_program(program, topology, n, groups, order, member_group, dep_slot, 
     device = np.maximum(slot_device[:, 0], 0)
     per_flop = 1.0 / topology.peak_flops[device]
     per_byte = 1.0 / topology.memory_bandwidth[device]
-    compute_bound = fused["flops"] * per_flop >= fused["mem_bytes"] * per_byte
+    bound_flops, bound_bytes = roofline_terms(fused["flops"], fused["mem_bytes"], per_flop, per_byte)
     multi = (members > 1)[member_group]  # singletons keep their roofline
     linear = {name: fused[name] for name in _LINEAR}
-    linear["linear_flops"] = linear["linear_flops"] + np.where(multi & compute_bound, fused["flops"], 0.0)
-    linear["linear_bytes"] = linear["linear_bytes"] + np.where(
-        multi & ~compute_bound, fused["mem_bytes"], 0.0
-    )
+    linear["linear_flops"] = linear["linear_flops"] + np.where(multi, bound_flops, 0.0)
+    linear["linear_bytes"] = linear["linear_bytes"] + np.where(multi, bound_bytes, 0.0)
     features = {name: np.add.reduceat(linear[name][..., perm], starts, axis=-1) for name in _LINEAR}
     for name in ("flops", "mem_bytes"):
         features[name] = np.where(members > 1, 0.0, fused[name][..., first])

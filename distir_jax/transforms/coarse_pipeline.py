@@ -425,12 +425,11 @@ def _build_template(
     # only the data-parallel ops on stream 1 need explicit dependencies: a
     # reduction on the (last) backward it follows.
     deps = np.full((num_ops, 1), -1, np.int64)
-    red = kind == REDUCE
-    deps[red, 0] = position[producer[order][red]]
-    if updates is not None:  # weight by weight: each waits for its own producer
-        waits = producer[order] >= 0
-        deps[waits, 0] = position[producer[order][waits]]
-    elif mode.startswith("overlap"):  # the last reduction on a stream implies the earlier ones
+    producer = producer[order]
+    waits = producer >= 0  # reductions, and with per-weight updates the updates and gathers too
+    deps[waits, 0] = position[producer[waits]]
+    if updates is None and mode.startswith("overlap"):  # an update waits for its stage's last reduction
+        red = kind == REDUCE
         last_reduce = np.full(p, -1, np.int64)
         np.maximum.at(last_reduce, ev_stage[red], op[red])
         upd = kind == UPDATE
@@ -486,8 +485,8 @@ def _split_last_backwards(core: dict, segments: tuple) -> dict:
 
 
 def _finish_slots(deps):
-    """Finish-time slots: one per op whose finish another op reads (at most a
-    reduction per chunk and an update per stage, so no reuse is needed)."""
+    """Finish-time slots: one per op whose finish another op reads (a few per
+    stage, or one per weight with per-weight updates; no reuse is needed)."""
     num_ops = deps.shape[0]
     producer = np.unique(deps[deps >= 0])
     out_slot = np.full(num_ops, NO_SLOT, np.int32)

@@ -31,6 +31,7 @@ import numpy as np
 
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.registry import get_spec
+from distir_jax.transforms.coarse_fuse import roofline_terms
 
 __all__ = ["BackwardOps", "PartSegments", "add_features", "backward_ops", "linear_features"]
 
@@ -188,14 +189,12 @@ def linear_features(fine, topology, num_variants: int) -> np.ndarray:
         name: np.broadcast_to(np.asarray(getattr(fine, name), np.float64), (num_variants, n))
         for name in COST_FEATURES
     }
-    # The comparison coarse_fuse makes, so both classify every op alike.
-    per_flop, per_byte = 1.0 / topology.peak_flops[0], 1.0 / topology.memory_bandwidth[0]
-    compute_bound = f["flops"] * per_flop >= f["mem_bytes"] * per_byte
+    bound_flops, bound_bytes = roofline_terms(f["flops"], f["mem_bytes"], *_speeds(topology))
     out = np.zeros((num_variants, n, len(COST_FEATURES)))
     for name in ("launches", "linear_flops", "linear_bytes", "comm_volume", "comm_hops"):
         out[..., _F[name]] = f[name]
-    out[..., _F["linear_flops"]] += np.where(compute_bound, f["flops"], 0.0)
-    out[..., _F["linear_bytes"]] += np.where(compute_bound, 0.0, f["mem_bytes"])
+    out[..., _F["linear_flops"]] += bound_flops
+    out[..., _F["linear_bytes"]] += bound_bytes
     return out
 
 
@@ -205,10 +204,12 @@ def add_features(grad, topology) -> np.ndarray:
     if grad is None:
         return out
     f = get_spec("Add").features({}, (grad, grad), (grad,))
-    flops, traffic = float(np.max(f.flops)), float(np.max(f.mem_bytes))
     out[_F["launches"]] = 1.0
-    if flops * (1.0 / topology.peak_flops[0]) >= traffic * (1.0 / topology.memory_bandwidth[0]):
-        out[_F["linear_flops"]] = flops
-    else:
-        out[_F["linear_bytes"]] = traffic
+    terms = roofline_terms(float(np.max(f.flops)), float(np.max(f.mem_bytes)), *_speeds(topology))
+    out[_F["linear_flops"]], out[_F["linear_bytes"]] = (float(t) for t in terms)
     return out
+
+
+def _speeds(topology) -> tuple[float, float]:
+    """Seconds per flop and per byte of the measuring topology's first device."""
+    return 1.0 / topology.peak_flops[0], 1.0 / topology.memory_bandwidth[0]
