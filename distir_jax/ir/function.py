@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from distir_jax.ir.registry import attrs_cache_key
+from distir_jax.ir.registry import SCALAR_ATTR_TYPES, attrs_cache_key
 from distir_jax.ir.types import TensorType
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -35,7 +35,6 @@ def check_name(name: str, what: str) -> str:
 # only keeps unusual inputs from growing it without limit.
 _CHECKED_ATTR_NAMES: set[str] = set()
 _MAX_CHECKED_ATTR_NAMES = 4096
-_SCALAR_TYPES = frozenset((bool, int, float, str))
 
 
 def _check_attr_name(name: str) -> None:
@@ -50,7 +49,7 @@ def _freeze_attrs(attrs) -> tuple[tuple[str, AttrValue], ...]:
     if isinstance(attrs, dict):
         # Known names and plain scalar values, checked by C loops: the checks
         # below would accept them unchanged.
-        if _CHECKED_ATTR_NAMES.issuperset(attrs) and _SCALAR_TYPES.issuperset(map(type, attrs.values())):
+        if _CHECKED_ATTR_NAMES.issuperset(attrs) and SCALAR_ATTR_TYPES.issuperset(map(type, attrs.values())):
             return tuple(sorted(attrs.items()))
         attrs = attrs.items()
     frozen = []
@@ -59,7 +58,7 @@ def _freeze_attrs(attrs) -> tuple[tuple[str, AttrValue], ...]:
         # which would accept them unchanged.
         if type(key) is not str or key not in _CHECKED_ATTR_NAMES:
             _check_attr_name(key)
-        if type(value) not in _SCALAR_TYPES:
+        if type(value) not in SCALAR_ATTR_TYPES:
             value = _freeze_attr(key, value)
         frozen.append((key, value))
     frozen.sort()

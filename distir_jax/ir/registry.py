@@ -132,7 +132,8 @@ ANNOTATION_ATTRS = frozenset(
         "recompute",
     )
 )
-_SCALAR_TYPES = frozenset((bool, int, float, str))
+# Attribute values of these exact types are hashable and frozen as they are.
+SCALAR_ATTR_TYPES = frozenset((bool, int, float, str))
 # Modules whose rules are the built-in ones: pure functions of their arguments.
 _BUILTIN_RULE_MODULES = frozenset(
     "distir_jax.ir." + m
@@ -217,10 +218,10 @@ def attrs_cache_key(attrs: tuple) -> tuple | None:
             continue
         if t is tuple:
             item_types = tuple(map(type, v))
-            hashable = _SCALAR_TYPES.issuperset(item_types)
+            hashable = SCALAR_ATTR_TYPES.issuperset(item_types)
             kept.append((k, v, item_types))
         else:
-            hashable = t in _SCALAR_TYPES  # else a subclass: a NamedTuple, a NumPy scalar
+            hashable = t in SCALAR_ATTR_TYPES  # else a subclass: a NamedTuple, a NumPy scalar
             kept.append((k, v, t))
         if not hashable:
             try:

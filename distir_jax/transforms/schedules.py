@@ -266,7 +266,7 @@ def schedule_times(
     times: dict[Step, tuple[float, float]] = {}
     last = num_chunks - 1
     progress = True
-    while progress:  # the dependencies of step_dependencies, inlined: this loop is hot in sweeps
+    while progress:  # step_dependencies inlined: every pipeline transform runs this to rule out deadlock
         progress = False
         for device, steps in schedule.items():
             i, now = pos[device], clock[device]
