@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
 import numpy as np
@@ -126,40 +126,33 @@ def stack_rows(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_ro
       ``free_bytes`` are placeholders (the kernel reads the precomputed
       ``peak_bytes`` instead).
     """
-    n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
-    d, r = capacity.num_devices, capacity.num_resources
     items = list(items) + [items[0]] * (num_rows - len(items))
     # Preallocated with each field's padding value; each row fills its prefix.
     arrays = {
-        "resource": np.full((num_rows, n, k), NO_RESOURCE, np.int32),
-        "slot_device": np.full((num_rows, n, k), NO_DEVICE, np.int32),
-        "dep_slot": np.full((num_rows, n, p), NO_SLOT, np.int32),
-        "out_slot": np.full((num_rows, n), NO_SLOT, np.int32),
-        "link": np.zeros((num_rows, n, 2), np.int32),
-        "is_comm": np.zeros((num_rows, n), bool),
-        "resource_device": np.full((num_rows, r), NO_DEVICE, np.int32),
-        "num_ops": np.zeros(num_rows, np.int32),
-        **{name: np.zeros((num_rows, n), np.float32) for name in _OP_FEATURES},
-        **{name: np.zeros((num_rows, d), np.float32) for name in _DEVICE_FEATURES},
+        name: np.full(shape, fill, dtype)
+        for name, (shape, dtype, fill) in _row_fields(capacity, num_rows).items()
     }
-    hardware_rows: list[Hardware] = []
-    padded: dict[int, Hardware] = {}
+    d = capacity.num_devices
+    # Rows of one program share its structure: one assignment fills them all.
+    members: dict[int, tuple[Prepared, list[int], list[int]]] = {}
     for row, (prepared, variant) in enumerate(items):
-        prog = prepared.program
+        _, rows, variants = members.setdefault(id(prepared), (prepared, [], []))
+        rows.append(row)
+        variants.append(variant)
+    hardware_rows: list[Hardware | None] = [None] * num_rows
+    for prepared, rows, variants in members.values():
+        prog, rows = prepared.program, np.asarray(rows)
         for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "resource_device"):
             x = np.asarray(getattr(prog, name))
-            arrays[name][(row, *(slice(0, m) for m in x.shape))] = x
-        arrays["num_ops"][row] = int(prog.num_ops)
+            arrays[name][(rows, *(slice(0, m) for m in x.shape))] = x
+        arrays["num_ops"][rows] = int(prog.num_ops)
         for name in _OP_FEATURES + _DEVICE_FEATURES:  # the kernel computes in float32
             x = np.asarray(getattr(prog, name))
-            x = x[variant] if x.ndim > 1 else x
-            arrays[name][row, : x.shape[0]] = x
+            arrays[name][rows, : x.shape[-1]] = x[np.asarray(variants)] if x.ndim > 1 else x
         hw = prepared.hardware
-        if hw.num_devices < d:  # rows of one program share its padded hardware
-            if id(hw) not in padded:
-                padded[id(hw)] = pad_hardware(hw, d)
-            hw = padded[id(hw)]
-        hardware_rows.append(hw)
+        hw = pad_hardware(hw, d) if hw.num_devices < d else hw
+        for row in rows:
+            hardware_rows[row] = hw
     placeholder = np.zeros((num_rows, 1, 1), np.float32)
     program = Program(
         **arrays, alloc_bytes=placeholder, free_bytes=placeholder, num_finish_slots=capacity.finish_slots
@@ -173,8 +166,50 @@ def stack_rows(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_ro
     return program, hardware
 
 
+def _row_fields(capacity: Capacity, num_rows: int) -> dict[str, tuple[tuple[int, ...], type, object]]:
+    """Shape, dtype and padding value of each stacked program field, ``[num_rows, ...]``."""
+    n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
+    d, r = capacity.num_devices, capacity.num_resources
+    return {
+        "resource": ((num_rows, n, k), np.int32, NO_RESOURCE),
+        "slot_device": ((num_rows, n, k), np.int32, NO_DEVICE),
+        "dep_slot": ((num_rows, n, p), np.int32, NO_SLOT),
+        "out_slot": ((num_rows, n), np.int32, NO_SLOT),
+        "link": ((num_rows, n, 2), np.int32, 0),
+        "is_comm": ((num_rows, n), np.bool_, False),
+        "resource_device": ((num_rows, r), np.int32, NO_DEVICE),
+        "num_ops": ((num_rows,), np.int32, 0),
+        **{name: ((num_rows, n), np.float32, 0.0) for name in _OP_FEATURES},
+        **{name: ((num_rows, d), np.float32, 0.0) for name in _DEVICE_FEATURES},
+    }
+
+
+def row_shapes(capacity: Capacity, num_rows: int, sharding=None):
+    """:func:`stack_rows`'s output as ``jax.ShapeDtypeStruct`` leaves: compiles a call ahead of its data."""
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    arrays = {name: spec(shape, dtype) for name, (shape, dtype, _) in _row_fields(capacity, num_rows).items()}
+    placeholder = spec((num_rows, 1, 1), np.float32)
+    program = Program(
+        **arrays, alloc_bytes=placeholder, free_bytes=placeholder, num_finish_slots=capacity.finish_slots
+    )
+    d = capacity.num_devices
+    per_device = {"link_bandwidth": (d, d), "link_latency": (d, d), "launch_overhead": ()}
+    hardware = Hardware(
+        **{
+            f.name: spec((num_rows, *per_device.get(f.name, (d,))), np.float32)
+            for f in dataclasses.fields(Hardware)
+        }
+    )
+    return program, hardware
+
+
 def choose_capacities(
-    sizes: Sequence[int], *, seconds_per_op_row: float, seconds_per_compile: float, granularity: int = 256
+    sizes: Sequence[int],
+    *,
+    seconds_per_op_row: float,
+    seconds_per_compile: float,
+    granularity: int = 256,
+    compiled: Collection[int] = (),
 ) -> list[int]:
     """Op capacities (multiples of ``granularity``) minimizing padded kernel work plus compiles.
 
@@ -186,23 +221,33 @@ def choose_capacities(
       seconds_per_op_row: kernel seconds per padded (op, configuration) pair.
       seconds_per_compile: seconds to compile one more kernel shape.
       granularity: capacities are multiples of this.
+      compiled: capacities whose kernels are compiled already (no compile cost).
 
     Returns:
       Ascending capacities; a configuration runs in the smallest one that holds it.
     """
     rounded = -(-np.asarray(sizes, np.int64) // granularity) * granularity
     values, counts = np.unique(rounded, return_counts=True)
+    free = np.asarray(sorted(compiled), np.int64)
     below = np.concatenate([[0], np.cumsum(counts)])
     best = np.full(len(values) + 1, np.inf)  # best[j]: cost of covering values[:j]
     best[0] = 0.0
     cut = np.zeros(len(values) + 1, np.int64)
+    chosen = np.zeros(len(values) + 1, np.int64)
     for j in range(1, len(values) + 1):
-        i = np.arange(j)  # one capacity values[j - 1] for values[i:j]
-        cost = best[i] + (below[j] - below[i]) * values[j - 1] * seconds_per_op_row + seconds_per_compile
+        i = np.arange(j)  # one capacity for values[i:j]: values[j - 1], or a compiled one above it
+        rows = below[j] - below[i]
+        options = [
+            (int(values[j - 1]), best[i] + rows * values[j - 1] * seconds_per_op_row + seconds_per_compile)
+        ]
+        above = int(np.searchsorted(free, values[j - 1]))
+        if above < len(free):
+            options.append((int(free[above]), best[i] + rows * free[above] * seconds_per_op_row))
+        chosen[j], cost = min(options, key=lambda option: option[1].min())
         cut[j] = int(np.argmin(cost))
         best[j] = cost[cut[j]]
-    caps, j = [], len(values)
+    caps, j = set(), len(values)
     while j > 0:
-        caps.append(int(values[j - 1]))
+        caps.add(int(chosen[j]))
         j = cut[j]
-    return caps[::-1]
+    return sorted(caps)

@@ -47,6 +47,8 @@ to another. Merge the files afterwards with
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -63,7 +65,7 @@ from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
 from distir_jax.kernel import STATUS_INVALID, simulate
 from distir_jax.lower import Capacity, lower
 from search._fast import ENGINES, FastEngine, fast_unsupported
-from search._programs import Prepared, choose_capacities, compact, row_bytes, stack_rows
+from search._programs import Prepared, choose_capacities, compact, row_bytes, row_shapes, stack_rows
 from search._progress import progress_bar
 from search.results import STATUS_INVALID as INVALID
 from search.results import STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
@@ -262,7 +264,12 @@ def build_function(config: Config, *, representative_only: bool = True):
 
 
 class _Batcher:
-    """Collects rows into capacity buckets and simulates a bucket when it is full."""
+    """Collects rows into capacity buckets and simulates a bucket when it is full.
+
+    A full bucket's kernel call is queued while its kernel compiles in the
+    background (:func:`_compiled_call`); queued calls run as soon as their
+    kernels are ready, so compiling overlaps the preparation of later rows.
+    """
 
     def __init__(self, max_configs: int, max_bytes: int, devices: list, emit):
         if max_configs < 1 or max_bytes < 1:
@@ -276,6 +283,8 @@ class _Batcher:
         # are big, and rows of many buckets wait at once, so the total is bounded too.
         self.held: dict[int, dict[int, int]] = {}
         self.held_bytes = 0
+        self.queue: collections.deque = collections.deque()  # (chunk, capacity, call, bytes)
+        self.queued_bytes = 0
 
     def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
         cap = prepared.capacity.bucketed()
@@ -286,56 +295,103 @@ class _Batcher:
         if id(prepared) not in held:
             held[id(prepared)] = prepared.nbytes
             self.held_bytes += prepared.nbytes
-        if len(self.items[key]) >= self._limit(self.capacity[key]):
+        bound = _HELD_PER_CALL_BYTES * self.max_bytes
+        limit = self._limit(self.capacity[key])
+        if len(self.items[key]) >= limit:
             self._flush(key)
-        elif self.held_bytes > _HELD_PER_CALL_BYTES * self.max_bytes:
-            self._flush(max(self.held, key=lambda k: sum(self.held[k].values())))
+        elif len(self.items[key]) == (limit + 1) // 2:
+            # Half full: compile its full call's kernel ahead (on an otherwise idle
+            # core while this thread prepares rows); a last partial call reuses it.
+            _compiled_call(self.capacity[key], limit, self.devices)
+        if self.held_bytes + self.queued_bytes > bound:
+            self._run_queued(wait=True)
+            if self.held_bytes > bound:
+                self._flush(max(self.held, key=lambda k: sum(self.held[k].values())), wait=True)
+        self._run_queued(wait=False)
 
     def flush_all(self) -> None:
-        """Simulates every pending row, in op capacities chosen for the whole remainder.
-
-        Rows were bucketed by power-of-two op counts on the way in (so full
-        buckets could run early); the rest are regrouped by
-        :func:`~search._programs.choose_capacities`, which trades padded kernel
-        work against compiling one more kernel shape.
-        """
-        pending = [item for items in self.items.values() for item in items]
+        """Simulates every pending row, in op capacities chosen for the whole remainder."""
+        plan = self._plan()
         self.items.clear()
         self.capacity.clear()
         self.held.clear()
         self.held_bytes = 0
+        for capacity, items in plan:
+            self._queue(items, capacity)
+        self._run_queued(wait=True)
+
+    def _plan(self) -> list[tuple[Capacity, list]]:
+        """The pending rows regrouped into ``(capacity, rows)`` calls.
+
+        Rows were bucketed by power-of-two op counts on the way in (so full
+        buckets could run early); the rest are regrouped by
+        :func:`~search._programs.choose_capacities`, which trades padded kernel
+        work against compiling one more kernel shape (op capacities already
+        compiled cost nothing more).
+        """
+        pending = [item for items in self.items.values() for item in items]
         if not pending:
-            return
+            return []
         sizes = [item[1].capacity.num_ops for item in pending]
         caps = choose_capacities(
-            sizes, seconds_per_op_row=_SECONDS_PER_OP_ROW, seconds_per_compile=_SECONDS_PER_COMPILE
+            sizes,
+            seconds_per_op_row=_SECONDS_PER_OP_ROW,
+            seconds_per_compile=_SECONDS_PER_COMPILE,
+            compiled=_compiled_op_capacities(self.devices),
         )
+        capacity: dict[int, Capacity] = {}
+        items: dict[int, list] = {}
         for item, size in zip(pending, sizes, strict=True):
             cap = caps[int(np.searchsorted(caps, size))]
             bucketed = dataclasses.replace(item[1].capacity.bucketed(), num_ops=cap)
-            self.capacity[cap] = self.capacity[cap].union(bucketed) if cap in self.capacity else bucketed
-            self.items.setdefault(cap, []).append(item)
-        for cap in sorted(self.items):
-            self._flush(cap)
+            capacity[cap] = capacity[cap].union(bucketed) if cap in capacity else bucketed
+            items.setdefault(cap, []).append(item)
+        return [(_compiled_cover(capacity[cap], self.devices), items[cap]) for cap in sorted(items)]
 
     def _limit(self, capacity: Capacity) -> int:
         n = len(self.devices)
         rows = min(self.max_configs, max(1, self.max_bytes // row_bytes(capacity)))
         return max(n, rows // n * n)
 
-    def _flush(self, key: int) -> None:
+    def _num_rows(self, chunk: list, capacity: Capacity) -> int:
+        """Rows of the call that simulates ``chunk``: a few fixed counts, so calls share compiled shapes."""
+        # A power of two, and at least a few dozen: small sweeps then share
+        # compiled shapes, and padding rows cost next to nothing.
+        n = len(self.devices)
+        num_rows = min(self._limit(capacity), max(_MIN_ROWS, 1 << (len(chunk) - 1).bit_length()))
+        num_rows = -(-num_rows // n) * n
+        # A larger call of this capacity compiled already: padding rows may cost less than a compile.
+        larger = [r for r in _compiled_row_counts(capacity, self.devices) if r >= num_rows]
+        if (
+            larger
+            and (min(larger) - num_rows) * capacity.num_ops * _SECONDS_PER_OP_ROW < _SECONDS_PER_COMPILE
+        ):
+            return min(larger)
+        return num_rows
+
+    def _flush(self, key: int, wait: bool = False) -> None:
         items, capacity = self.items.pop(key), self.capacity.pop(key)
         self.held_bytes -= sum(self.held.pop(key, {}).values())
+        self._queue(items, capacity)
+        self._run_queued(wait)
+
+    def _queue(self, items: list, capacity: Capacity) -> None:
+        """Queues the calls that simulate ``items``; their kernels start compiling now."""
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]
-            n = len(self.devices)
-            # A power of two, and at least a few dozen: small sweeps then share
-            # compiled shapes, and padding rows cost next to nothing.
-            num_rows = min(limit, max(_MIN_ROWS, 1 << (len(chunk) - 1).bit_length()))
-            num_rows = -(-num_rows // n) * n
-            program, hardware = stack_rows([(p, v) for _, p, v, _ in chunk], capacity, num_rows)
-            out = _run(program, hardware, self.devices)
+            call = _compiled_call(capacity, self._num_rows(chunk, capacity), self.devices)
+            nbytes = sum({id(p): p.nbytes for _, p, _, _ in chunk}.values())
+            self.queue.append((chunk, capacity, call, nbytes))
+            self.queued_bytes += nbytes
+
+    def _run_queued(self, wait: bool) -> None:
+        """Runs queued calls in order: all of them, or while their kernels are compiled."""
+        while self.queue and (wait or self.queue[0][2].future.done()):
+            chunk, capacity, call, nbytes = self.queue.popleft()
+            program, hardware = stack_rows([(p, v) for _, p, v, _ in chunk], capacity, call.num_rows)
+            out = _run(call.result(), program, hardware, self.devices)
+            self.queued_bytes -= nbytes
             self.emit(
                 [
                     _row(c, p, v, {k: x[i] for k, x in out.items()}, engine)
@@ -378,13 +434,74 @@ def _local_devices(shard: bool) -> list:
     return list(jax.local_devices()) if shard else [jax.local_devices()[0]]
 
 
-def _run(program, hardware, devices) -> dict:
+def _run(compiled, program, hardware, devices) -> dict:
     """One kernel call; rows are split over ``devices`` when there are several."""
-    runner = _runner(tuple(devices))
     if len(devices) > 1:
-        sharding = NamedSharding(Mesh(np.asarray(devices), (CONFIG_AXIS,)), PartitionSpec(CONFIG_AXIS))
-        program, hardware = jax.device_put((program, hardware), sharding)
-    return {k: np.asarray(v) for k, v in runner(program, hardware).items()}
+        program, hardware = jax.device_put((program, hardware), _config_sharding(tuple(devices)))
+    return {k: np.asarray(v) for k, v in compiled(program, hardware).items()}
+
+
+def _config_sharding(devices: tuple) -> NamedSharding:
+    return NamedSharding(Mesh(np.asarray(devices), (CONFIG_AXIS,)), PartitionSpec(CONFIG_AXIS))
+
+
+@dataclasses.dataclass
+class _Call:
+    """A kernel call's shape, and its compiled executable (compiled in the background)."""
+
+    num_rows: int
+    future: concurrent.futures.Future
+
+    def result(self):
+        return self.future.result()
+
+
+# Background threads compile the kernel shapes: XLA releases the GIL while it
+# compiles (mostly on one core per kernel), so the host meanwhile prepares and
+# stacks rows, and a sweep's last calls compile side by side.
+_COMPILER = concurrent.futures.ThreadPoolExecutor(
+    max_workers=max(1, min(4, (os.cpu_count() or 1))), thread_name_prefix="distir-jax-compile"
+)
+_COMPILED: dict[tuple, concurrent.futures.Future] = {}
+
+
+def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
+    """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new."""
+    key = (tuple(devices), capacity, num_rows)
+    future = _COMPILED.get(key)
+    if future is None or (future.done() and future.exception() is not None):  # retry failures
+        future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows)
+    return _Call(num_rows, future)
+
+
+def _compiled_op_capacities(devices: list) -> set[int]:
+    """Op capacities with a kernel compiled (or compiling) for ``devices``."""
+    return {key[1].num_ops for key in _COMPILED if key[0] == tuple(devices)}
+
+
+def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
+    """A compiled capacity of the same op count that holds ``capacity``, else ``capacity``.
+
+    Padding a call to a compiled kernel's device and slot counts costs less than a compile.
+    """
+    covers = [
+        key[1]
+        for key in _COMPILED
+        if key[0] == tuple(devices)
+        and key[1].num_ops == capacity.num_ops
+        and all(a >= b for a, b in zip(key[1].sizes(), capacity.sizes()))
+    ]
+    return min(covers, key=Capacity.sizes, default=capacity)
+
+
+def _compiled_row_counts(capacity: Capacity, devices: list) -> list[int]:
+    """Row counts with a kernel compiled (or compiling) for ``capacity`` on ``devices``."""
+    return [key[2] for key in _COMPILED if key[:2] == (tuple(devices), capacity)]
+
+
+def _compile(devices: tuple, capacity: Capacity, num_rows: int):
+    sharding = _config_sharding(devices) if len(devices) > 1 else None
+    return _runner(devices).lower(*row_shapes(capacity, num_rows, sharding)).compile()
 
 
 @functools.cache

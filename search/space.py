@@ -245,7 +245,10 @@ class Config:
         return _topology(self.preset, HARDWARE_DTYPE.get(self.dtype, self.dtype))
 
     def with_reason(self, reason: str) -> Config:
-        return dataclasses.replace(self, reason=reason)
+        config = dataclasses.replace(self, reason=reason)
+        if "config_id" in self.__dict__:  # the reason is not a knob: the id stays
+            config.__dict__["config_id"] = self.__dict__["config_id"]
+        return config
 
 
 def config_id(knobs: dict) -> str:
@@ -338,10 +341,11 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
     zero, sequence parallel, overlap, dtype, optimizer. Configurations that
     the conventions of this module make identical appear once.
     """
-    seen: set[str] = set()
+    seen: set[tuple] = set()
     for model, hardware, world_size, batch in itertools.product(
         space.model, space.hardware, space.world_sizes, space.global_batch_sizes
     ):
+        label = model_label(model)
         for d, t, p in factorisations(world_size, space.data, space.tensor, space.pipeline):
             for (m, size, batch_reason), dtype in itertools.product(
                 _microbatch_choices(space, batch, d, p), space.dtype
@@ -370,31 +374,16 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
                         zero = overlap = False
                     if t == 1:
                         sp = False
-                    config = Config(
-                        model=model_label(model),
-                        hardware=hardware,
-                        world_size=world_size,
-                        global_batch_size=batch,
-                        seq_len=seq,
-                        data=d,
-                        tensor=t,
-                        pipeline=p,
-                        microbatches=m,
-                        microbatch_size=size,
-                        schedule=schedule,
-                        virtual_stages=v,
-                        recompute=recompute,
-                        zero=zero,
-                        sequence_parallel=sp,
-                        overlap_grad_comm=overlap,
-                        dtype=resolved_dtype,
-                        optimizer=optimizer,
-                        model_config=model_config,
-                    )
-                    key = config.config_id
-                    if key in seen:
+                    # The knobs in Config.KNOBS order: the conventions above make many
+                    # combinations equal, and a tuple is checked long before a Config is built.
+                    knobs = (
+                        label, hardware, world_size, batch, seq, d, t, p, m, size,
+                        schedule, v, recompute, zero, sp, overlap, resolved_dtype, optimizer,
+                    )  # fmt: skip
+                    if knobs in seen:
                         continue
-                    seen.add(key)
+                    seen.add(knobs)
+                    config = Config(**dict(zip(Config.KNOBS, knobs)), model_config=model_config)
                     reason = model_reason or batch_reason or constraint_reason(config)
                     yield config.with_reason(reason) if reason else config
 

@@ -1,6 +1,7 @@
 """Batched sweeps against the reference simulator; sharding, resuming and compile reuse."""
 
 import importlib
+import itertools
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ pytest.importorskip("distir_jax.transforms.parallelize")
 from distir_jax.executor.reference import reference_simulate  # noqa: E402
 from distir_jax.models import TransformerConfig  # noqa: E402
 from search import ResultTable, StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
+from search._programs import choose_capacities  # noqa: E402
 
 # `search.evaluate` the module (the package re-exports the function of that name).
 evaluate_module = importlib.import_module("search.evaluate")
@@ -93,31 +95,33 @@ def test_one_compiled_kernel_serves_many_structural_keys(swept, monkeypatch):
     shapes = []
     run = evaluate_module._run
 
-    def spy(program, hardware, devices):
+    def spy(compiled, program, hardware, devices):
         shapes.append(tuple(np.shape(x) for x in jax.tree_util.tree_leaves((program, hardware))))
-        return run(program, hardware, devices)
+        return run(compiled, program, hardware, devices)
 
     monkeypatch.setattr(evaluate_module, "_run", spy)
     evaluate(subset, progress=False)
     assert len(set(shapes)) == 1  # every call has the same shapes: one compile
 
 
-def test_held_programs_stay_bounded_and_early_calls_change_nothing(swept, monkeypatch):
+@pytest.mark.parametrize("max_bytes", [200_000, 60_000])
+def test_held_programs_stay_bounded_and_early_calls_change_nothing(swept, monkeypatch, max_bytes):
     configs, _ = swept
     subset = configs[:80]
-    held, programs = [], {}
+    held, in_buckets, programs = [], [], {}
     add = evaluate_module._Batcher.add
 
     def spy(self, config, prepared, variant, engine):
         programs[id(prepared)] = prepared.nbytes
         add(self, config, prepared, variant, engine)
-        held.append(sum(sum(h.values()) for h in self.held.values()))
+        in_buckets.append(sum(sum(h.values()) for h in self.held.values()))
+        held.append(in_buckets[-1] + self.queued_bytes)  # calls waiting for their kernels too
 
     monkeypatch.setattr(evaluate_module._Batcher, "add", spy)
     # A kernel-memory bound this small lets the programs of only a few keys wait at once.
-    tight = evaluate(subset, progress=False, max_bytes=200_000)
-    assert max(held) <= evaluate_module._HELD_PER_CALL_BYTES * 200_000 + max(programs.values())
-    assert max(held) < sum(programs.values())  # buckets ran early
+    tight = evaluate(subset, progress=False, max_bytes=max_bytes)
+    assert max(held) <= evaluate_module._HELD_PER_CALL_BYTES * max_bytes + max(programs.values())
+    assert max(in_buckets) < sum(programs.values())  # buckets were flushed early
     monkeypatch.undo()
     assert tight == evaluate(subset, progress=False)
 
@@ -189,3 +193,40 @@ def test_sharded_and_unsharded_tables_are_identical():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SHARDED_OK" in done.stdout
+
+
+def _capacity_cost(caps, sizes, compiled, per_row, per_compile):
+    """Padded kernel work plus compiles when each size runs in the smallest capacity holding it."""
+    caps = sorted(caps)
+    rows = sum(caps[int(np.searchsorted(caps, s))] for s in sizes)
+    return rows * per_row + sum(c not in compiled for c in caps) * per_compile
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chosen_capacities_cost_the_least_of_all_choices(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 12, size=rng.integers(1, 12)) * 256 - rng.integers(0, 256)
+    compiled = {int(c) * 256 for c in rng.choice(np.arange(1, 14), size=rng.integers(0, 3), replace=False)}
+    per_row, per_compile = 1e-4, float(rng.choice([0.01, 0.1, 1.0]))
+    caps = choose_capacities(
+        sizes, seconds_per_op_row=per_row, seconds_per_compile=per_compile, compiled=compiled
+    )
+    assert caps == sorted(set(caps)) and caps[-1] >= sizes.max()
+    # Every set of candidates (the rounded sizes and the compiled capacities) that holds the largest size.
+    candidates = sorted({int(-(-s // 256) * 256) for s in sizes} | compiled)
+    best = min(
+        _capacity_cost(subset, sizes, compiled, per_row, per_compile)
+        for r in range(1, len(candidates) + 1)
+        for subset in itertools.combinations(candidates, r)
+        if max(subset) >= sizes.max()
+    )
+    assert _capacity_cost(caps, sizes, compiled, per_row, per_compile) == pytest.approx(best, rel=1e-12)
+
+
+def test_compiled_capacities_are_reused_when_cheaper():
+    sizes = [1000] * 4
+    fresh = choose_capacities(sizes, seconds_per_op_row=1e-6, seconds_per_compile=1.0)
+    reused = choose_capacities(sizes, seconds_per_op_row=1e-6, seconds_per_compile=1.0, compiled={4096})
+    assert fresh == [1024] and reused == [4096]  # padding 4 rows costs less than one compile
+    costly_rows = choose_capacities(sizes, seconds_per_op_row=1.0, seconds_per_compile=1.0, compiled={4096})
+    assert costly_rows == [1024]
