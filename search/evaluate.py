@@ -35,7 +35,11 @@ in float64, and is compared with the preset's capacity in float64.
 
 Time: with the exact engine, building and lowering the programs (Python)
 dominates; with the fast engine, the kernel calls and their compilation do.
-The progress bar counts configurations prepared.
+Kernels compile in background threads (XLA releases the GIL): a full call
+waits in a queue until its kernel is ready while later rows are prepared, a
+bucket's full-call shape starts compiling when it is half full, and compiled
+op capacities and row counts are reused where padding costs less than a
+compile. The progress bar counts configurations prepared.
 
 Multi-host: call ``jax.distributed.initialize()`` on every host first, then
 ``evaluate`` on each with its own ``results_path``: by default each host
