@@ -176,6 +176,9 @@ def message_times(start, finish, producer, consumer):
     lo, hi = finish.reshape(-1)[producer], start.reshape(-1)[consumer]
     out = lo.copy()  # a message its consumer takes at once has one candidate
     wait = np.flatnonzero(hi > lo)
+    # At ``lo`` the sender is free (its producer just finished); if the receiver
+    # is free too, ``lo`` is optimal: both keys 0 and ``lo``, the least of all.
+    wait = wait[_free_at(start, finish, consumer[wait] // m, lo[wait]) > lo[wait]]
     if wait.size:
         out[wait] = _barrier_times(start, finish, producer[wait], consumer[wait], lo[wait], hi[wait])
     return out
