@@ -415,7 +415,14 @@ def test_array_schedules_match_the_schedules_module(schedule, p, k, v):
 
 @pytest.mark.parametrize(
     "schedule,p,k,v",
-    [("1f1b", 4, 6, 1), ("gpipe", 3, 4, 1), ("interleaved", 2, 8, 2), ("interleaved", 4, 8, 3)],
+    [
+        ("1f1b", 4, 6, 1),
+        ("1f1b", 5, 7, 1),
+        ("gpipe", 3, 4, 1),
+        ("interleaved", 2, 8, 2),
+        ("interleaved", 3, 9, 2),
+        ("interleaved", 4, 8, 3),
+    ],
 )
 def test_issue_order_is_global_issue_orders(schedule, p, k, v):
     n = p * v
