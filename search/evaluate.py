@@ -341,7 +341,10 @@ class _Batcher:
             sizes,
             seconds_per_op_row=_SECONDS_PER_OP_ROW,
             seconds_per_compile=_SECONDS_PER_COMPILE,
-            compiled=_compiled_op_capacities(self.devices),
+            compiled=_compiled_op_capacities(
+                functools.reduce(Capacity.union, (item[1].capacity.bucketed() for item in pending)),
+                self.devices,
+            ),
         )
         capacity: dict[int, Capacity] = {}
         items: dict[int, list] = {}
@@ -478,9 +481,13 @@ def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
     return _Call(num_rows, future)
 
 
-def _compiled_op_capacities(devices: list) -> set[int]:
-    """Op capacities with a kernel compiled (or compiling) for ``devices``."""
-    return {key[1].num_ops for key in _COMPILED if key[0] == tuple(devices)}
+def _compiled_op_capacities(pending: Capacity, devices: list) -> set[int]:
+    """Op capacities compiled (or compiling) for ``devices`` whose other sizes hold ``pending``'s.
+
+    Only these surely save a compile when a call of ``pending`` rows picks them.
+    """
+    others = dataclasses.replace(pending, num_ops=0)
+    return {key[1].num_ops for key in _COMPILED if key[0] == tuple(devices) and _holds(key[1], others)}
 
 
 def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
@@ -491,11 +498,13 @@ def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
     covers = [
         key[1]
         for key in _COMPILED
-        if key[0] == tuple(devices)
-        and key[1].num_ops == capacity.num_ops
-        and all(a >= b for a, b in zip(key[1].sizes(), capacity.sizes()))
+        if key[0] == tuple(devices) and key[1].num_ops == capacity.num_ops and _holds(key[1], capacity)
     ]
     return min(covers, key=Capacity.sizes, default=capacity)
+
+
+def _holds(outer: Capacity, inner: Capacity) -> bool:
+    return all(a >= b for a, b in zip(outer.sizes(), inner.sizes(), strict=True))
 
 
 def _compiled_row_counts(capacity: Capacity, devices: list) -> list[int]:

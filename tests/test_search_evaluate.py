@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("distir_jax.transforms.parallelize")
 
 from distir_jax.executor.reference import reference_simulate  # noqa: E402
+from distir_jax.lower import Capacity  # noqa: E402
 from distir_jax.models import TransformerConfig  # noqa: E402
 from search import ResultTable, StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
 from search._programs import choose_capacities  # noqa: E402
@@ -230,3 +231,17 @@ def test_compiled_capacities_are_reused_when_cheaper():
     assert fresh == [1024] and reused == [4096]  # padding 4 rows costs less than one compile
     costly_rows = choose_capacities(sizes, seconds_per_op_row=1.0, seconds_per_compile=1.0, compiled={4096})
     assert costly_rows == [1024]
+
+
+def test_only_compiled_kernels_that_hold_the_rows_count_as_free(monkeypatch):
+    def cap(num_ops, num_devices):
+        return Capacity(num_ops, 2, 1, 64, num_devices, 2 * num_devices)
+
+    devices = [jax.local_devices()[0]]
+    fake = {((devices[0],), cap(4096, 8), 32): None, ((devices[0],), cap(8192, 16), 32): None}
+    monkeypatch.setattr(evaluate_module, "_COMPILED", fake)
+    # Rows on 16 devices cannot run in the 8-device kernel: only 8192 is free for them.
+    assert evaluate_module._compiled_op_capacities(cap(1000, 16), devices) == {8192}
+    assert evaluate_module._compiled_op_capacities(cap(1000, 4), devices) == {4096, 8192}
+    assert evaluate_module._compiled_cover(cap(4096, 4), devices) == cap(4096, 8)
+    assert evaluate_module._compiled_cover(cap(4096, 16), devices) == cap(4096, 16)  # none holds it
