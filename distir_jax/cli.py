@@ -327,6 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exact_rows_notice(configs) -> str:
+    """A line per reason the fast engine leaves valid rows to the exact engine, or ``""``."""
+    from collections import Counter
+
+    from search._fast import fast_unsupported
+
+    reasons = Counter(fast_unsupported(c) for c in configs if c.valid)
+    reasons.pop("", None)
+    return "".join(
+        f"  {n} of them on the exact engine (seconds or more per structure: every program is built "
+        f"with the transforms): {reason}\n"
+        for reason, n in reasons.most_common()
+    )
+
+
 def _use_compilation_cache() -> None:
     """Keeps compiled kernels between runs: XLA compiles take seconds on a CPU.
 
@@ -398,6 +413,8 @@ def _sweep(args) -> int:
         f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)} ...",
         flush=True,
     )
+    if args.engine == "fast":  # say up front which rows take the slow path, and why
+        print(_exact_rows_notice(configs), end="", flush=True)
     if not args.resume and os.path.exists(args.output):
         os.remove(args.output)  # a fresh sweep; evaluate would otherwise resume from it
     # Always through results_path: evaluate checkpoints there, so an interrupted

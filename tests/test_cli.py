@@ -208,3 +208,22 @@ def test_simulate_prints_the_numbers_and_writes_a_trace(tmp_path, capsys):
 def test_simulate_invalid_configuration_says_why(capsys):
     assert main(["simulate", "--model", "mlp-xs", "--data", "4", "--batch-size", "2"]) == 1
     assert "invalid" in capsys.readouterr().out
+
+
+def test_sweep_says_up_front_which_rows_need_the_exact_engine():
+    pytest.importorskip("distir_jax.transforms.parallelize")
+    from distir_jax.cli import _exact_rows_notice
+    from search import StrategySpace, enumerate_configs
+
+    space = StrategySpace(
+        model="gpt2-small", world_sizes=(2,), global_batch_sizes=(8,), sequence_parallel=(False, True)
+    )
+    configs = list(enumerate_configs(space))
+    parallel = sum(c.valid and c.sequence_parallel for c in configs)
+    assert parallel > 0
+    notice = _exact_rows_notice(configs)
+    assert notice == (
+        f"  {parallel} of them on the exact engine (seconds or more per structure: every program is "
+        "built with the transforms): the fast engine does not model sequence parallelism\n"
+    )
+    assert _exact_rows_notice([c for c in configs if not c.sequence_parallel]) == ""
