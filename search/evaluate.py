@@ -474,7 +474,7 @@ _COMPILED: dict[tuple, concurrent.futures.Future] = {}
 
 def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
     """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new."""
-    key = (tuple(devices), capacity, num_rows)
+    key = (_target(devices), capacity, num_rows)
     future = _COMPILED.get(key)
     if future is None or (future.done() and future.exception() is not None):  # retry failures
         future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows)
@@ -487,7 +487,7 @@ def _compiled_op_capacities(pending: Capacity, devices: list) -> set[int]:
     Only these surely save a compile when a call of ``pending`` rows picks them.
     """
     others = dataclasses.replace(pending, num_ops=0)
-    return {key[1].num_ops for key in _COMPILED if key[0] == tuple(devices) and _holds(key[1], others)}
+    return {key[1].num_ops for key in _COMPILED if key[0] == _target(devices) and _holds(key[1], others)}
 
 
 def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
@@ -498,9 +498,15 @@ def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
     covers = [
         key[1]
         for key in _COMPILED
-        if key[0] == tuple(devices) and key[1].num_ops == capacity.num_ops and _holds(key[1], capacity)
+        if key[0] == _target(devices) and key[1].num_ops == capacity.num_ops and _holds(key[1], capacity)
     ]
     return min(covers, key=Capacity.sizes, default=capacity)
+
+
+def _target(devices: list) -> tuple:
+    """What a compiled kernel depends on besides its shapes: the devices, and whether jax
+    computes in float64 (the kernel's float type follows ``jax_enable_x64`` when traced)."""
+    return tuple(devices), bool(jax.config.jax_enable_x64)
 
 
 def _holds(outer: Capacity, inner: Capacity) -> bool:
@@ -509,7 +515,7 @@ def _holds(outer: Capacity, inner: Capacity) -> bool:
 
 def _compiled_row_counts(capacity: Capacity, devices: list) -> list[int]:
     """Row counts with a kernel compiled (or compiling) for ``capacity`` on ``devices``."""
-    return [key[2] for key in _COMPILED if key[:2] == (tuple(devices), capacity)]
+    return [key[2] for key in _COMPILED if key[:2] == (_target(devices), capacity)]
 
 
 def _compile(devices: tuple, capacity: Capacity, num_rows: int):

@@ -238,10 +238,21 @@ def test_only_compiled_kernels_that_hold_the_rows_count_as_free(monkeypatch):
         return Capacity(num_ops, 2, 1, 64, num_devices, 2 * num_devices)
 
     devices = [jax.local_devices()[0]]
-    fake = {((devices[0],), cap(4096, 8), 32): None, ((devices[0],), cap(8192, 16), 32): None}
+    target = evaluate_module._target(devices)
+    fake = {(target, cap(4096, 8), 32): None, (target, cap(8192, 16), 32): None}
     monkeypatch.setattr(evaluate_module, "_COMPILED", fake)
     # Rows on 16 devices cannot run in the 8-device kernel: only 8192 is free for them.
     assert evaluate_module._compiled_op_capacities(cap(1000, 16), devices) == {8192}
     assert evaluate_module._compiled_op_capacities(cap(1000, 4), devices) == {4096, 8192}
     assert evaluate_module._compiled_cover(cap(4096, 4), devices) == cap(4096, 8)
     assert evaluate_module._compiled_cover(cap(4096, 16), devices) == cap(4096, 16)  # none holds it
+
+
+def test_compiled_kernels_are_kept_apart_by_float_width():
+    devices = [jax.local_devices()[0]]
+    narrow = evaluate_module._target(devices)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        assert evaluate_module._target(devices) != narrow  # a float32 kernel is not reused under x64
+    finally:
+        jax.config.update("jax_enable_x64", False)
