@@ -250,9 +250,7 @@ def test_only_compiled_kernels_that_hold_the_rows_count_as_free(monkeypatch):
 
 def test_compiled_kernels_are_kept_apart_by_float_width():
     devices = [jax.local_devices()[0]]
-    narrow = evaluate_module._target(devices)
-    jax.config.update("jax_enable_x64", True)
-    try:
+    with jax.enable_x64(False):
+        narrow = evaluate_module._target(devices)
+    with jax.enable_x64(True):  # as tests/test_kernel.py switches it
         assert evaluate_module._target(devices) != narrow  # a float32 kernel is not reused under x64
-    finally:
-        jax.config.update("jax_enable_x64", False)
