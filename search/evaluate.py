@@ -63,7 +63,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
 from distir_jax.kernel import STATUS_INVALID, simulate
@@ -443,12 +443,14 @@ def _local_devices(shard: bool) -> list:
 
 def _run(compiled, program, hardware, devices) -> dict:
     """One kernel call; rows are split over ``devices`` when there are several."""
-    if len(devices) > 1:
-        program, hardware = jax.device_put((program, hardware), _config_sharding(tuple(devices)))
+    program, hardware = jax.device_put((program, hardware), _config_sharding(tuple(devices)))
     return {k: np.asarray(v) for k, v in compiled(program, hardware).items()}
 
 
-def _config_sharding(devices: tuple) -> NamedSharding:
+def _config_sharding(devices: tuple):
+    """Rows split over ``devices`` (a one-device call stays on its device, whatever the default)."""
+    if len(devices) == 1:
+        return SingleDeviceSharding(devices[0])
     return NamedSharding(Mesh(np.asarray(devices), (CONFIG_AXIS,)), PartitionSpec(CONFIG_AXIS))
 
 
@@ -477,7 +479,8 @@ def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
     key = (_target(devices), capacity, num_rows)
     future = _COMPILED.get(key)
     if future is None or (future.done() and future.exception() is not None):  # retry failures
-        future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows)
+        x64 = key[0][1]  # the caller's setting: a `with jax.enable_x64()` does not reach other threads
+        future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows, x64)
     return _Call(num_rows, future)
 
 
@@ -518,9 +521,10 @@ def _compiled_row_counts(capacity: Capacity, devices: list) -> list[int]:
     return [key[2] for key in _COMPILED if key[:2] == (_target(devices), capacity)]
 
 
-def _compile(devices: tuple, capacity: Capacity, num_rows: int):
-    sharding = _config_sharding(devices) if len(devices) > 1 else None
-    return _runner(devices).lower(*row_shapes(capacity, num_rows, sharding)).compile()
+def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool):
+    with jax.enable_x64(x64):
+        shapes = row_shapes(capacity, num_rows, _config_sharding(devices))
+        return _runner(devices).lower(*shapes).compile()
 
 
 @functools.cache

@@ -254,3 +254,17 @@ def test_compiled_kernels_are_kept_apart_by_float_width():
         narrow = evaluate_module._target(devices)
     with jax.enable_x64(True):  # as tests/test_kernel.py switches it
         assert evaluate_module._target(devices) != narrow  # a float32 kernel is not reused under x64
+
+
+def test_a_sweep_under_x64_compiles_its_kernel_for_x64():
+    # Kernels compile in a background thread, which a `with jax.enable_x64()` does not reach.
+    space = StrategySpace(model="mlp-xs", world_sizes=(2,), global_batch_sizes=(16,), microbatches=(2,))
+    narrow = evaluate(space, progress=False)
+    with jax.enable_x64(True):
+        wide = evaluate(space, progress=False)
+    assert narrow["config_id"].tolist() == wide["config_id"].tolist()
+    assert narrow["step_time_s"] == pytest.approx(wide["step_time_s"], rel=1e-5)
+    keys = [key for key in evaluate_module._COMPILED if key[0][1]]
+    assert keys and all(
+        evaluate_module._COMPILED[k].result().out_info["step_time"].dtype == np.float64 for k in keys
+    )
