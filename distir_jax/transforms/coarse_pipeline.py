@@ -61,7 +61,12 @@ import functools
 import numpy as np
 
 from distir_jax.lower import NO_SLOT
-from distir_jax.transforms.coarse_schedule import estimated_times, issue_order, schedule_arrays
+from distir_jax.transforms.coarse_schedule import (
+    check_step_costs,
+    estimated_times,
+    issue_order,
+    schedule_arrays,
+)
 
 __all__ = [
     "DATA_MODES",
@@ -312,9 +317,7 @@ def _core(p, k, v, schedule, step_costs) -> dict:
     n = p * v
     if step_costs is None:  # a forward per chunk, a backward twice that
         step_costs = np.stack([np.ones(n), 2.0 * np.ones(n)], axis=1)
-    step_costs = np.asarray(step_costs, np.float64)
-    if step_costs.shape != (n, 2) or not np.all(step_costs > 0):
-        raise ValueError(f"step_costs must be [p * v, 2] = [{n}, 2] positive numbers, got {step_costs.shape}")
+    step_costs = check_step_costs(step_costs, n)
     # The pipeline transform's own estimate (schedules.estimated_issue_order), bit for bit.
     start, finish = estimated_times(chunk, mb, backward, n, step_costs[chunk, backward.astype(np.int64)])
     m = chunk.shape[1]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["estimated_times", "issue_order", "message_times", "schedule_arrays"]
+__all__ = ["check_step_costs", "estimated_times", "issue_order", "message_times", "schedule_arrays"]
 
 
 def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
@@ -105,6 +105,21 @@ def _interleaved(s: int, p: int, k: int, v: int):
     index, backward = _interleave(i, i, warm, backward_first=False)
     chunk = np.where(backward, backward_chunk[index], forward_chunk[index])
     return chunk, microbatch[index], backward
+
+
+def check_step_costs(step_costs, num_chunks: int) -> np.ndarray:
+    """``step_costs`` as a float64 ``[num_chunks, 2]`` array (each chunk's forward and backward).
+
+    Raises:
+      ValueError: when it has another shape or a cost that is not positive.
+    """
+    step_costs = np.asarray(step_costs, np.float64)
+    if step_costs.shape != (num_chunks, 2) or not np.all(step_costs > 0):
+        raise ValueError(
+            f"step_costs must be [{num_chunks}, 2] positive numbers (per chunk: forward, backward), "
+            f"got shape {step_costs.shape}"
+        )
+    return step_costs
 
 
 def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):

@@ -396,18 +396,14 @@ def estimated_issue_order(
     Returns:
       Events in issue order, as :func:`global_issue_order` returns them.
     """
-    from distir_jax.transforms.coarse_schedule import estimated_times, issue_order
+    from distir_jax.transforms.coarse_schedule import check_step_costs, estimated_times, issue_order
 
     p = len(schedule)
     rows = [schedule[d] for d in range(p)]
     m = len(rows[0])
     if any(len(r) != m for r in rows):
         raise ValueError(f"every device of a valid schedule runs as many steps, got {[len(r) for r in rows]}")
-    step_costs = np.asarray(step_costs, np.float64)
-    if step_costs.shape != (num_chunks, 2) or not np.all(step_costs > 0):
-        raise ValueError(
-            f"step_costs must be [{num_chunks}, 2] positive numbers, got shape {step_costs.shape}"
-        )
+    step_costs = check_step_costs(step_costs, num_chunks)
     steps = [st for r in rows for st in r]
     chunk = np.fromiter((st.chunk for st in steps), np.int64, len(steps)).reshape(p, m)
     mb = np.fromiter((st.microbatch for st in steps), np.int64, len(steps)).reshape(p, m)
