@@ -105,8 +105,14 @@ def main() -> None:
         slopes = np.diff(times)
         # Slopes equal to the last one (which is compared with itself, so left out).
         affine = first_from(ms, np.abs(slopes[:-1] - slopes[-1]) <= 1e-12 * abs(slopes[-1]))
+        # The pipeline transform sees a microbatch before data parallelism splits it
+        # (d replicas' worth) and orders steps by its flops, as search._fast does.
         features = layer_features(
-            config.model_config, config.tensor, config.recompute, (config.microbatch_size,), config.topology()
+            config.model_config,
+            config.tensor,
+            config.recompute,
+            (config.microbatch_size * config.data,),
+            config.topology(),
         )
         costs = transform_step_costs(features, transform_layers_per_chunk(features, p * v))
         cores = {m: _core(p, m, v, config.schedule, costs) for m in ms}
