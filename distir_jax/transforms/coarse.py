@@ -34,6 +34,7 @@ from distir_jax.transforms.coarse_program import (
     realize,
     stage_devices,
     stage_peak_memory,
+    steady_pipeline_program,
     transform_layers_per_chunk,
     transform_step_costs,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "schedule_arrays",
     "stage_devices",
     "stage_peak_memory",
+    "steady_pipeline_program",
     "template_size",
     "transform_layers_per_chunk",
     "transform_step_costs",

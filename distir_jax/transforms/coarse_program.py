@@ -32,6 +32,7 @@ from distir_jax.ir.topology import Topology
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, Program
 from distir_jax.transforms.coarse_features import LayerFeatures
 from distir_jax.transforms.coarse_pipeline import PipelineTemplate, data_mode, pipeline_template
+from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_peak_bytes, steady_template
 
 __all__ = [
     "ChunkTables",
@@ -516,6 +517,7 @@ def realize(
     tensor: int,
     data: int,
     num_streams: int | None = None,
+    steady: SteadyTemplate | None = None,
 ) -> Program:
     """The Program of a template filled with ``tables``.
 
@@ -526,6 +528,8 @@ def realize(
         collectives take their groups' slowest links.
       tensor, data: the tensor- and data-parallel degrees.
       num_streams: streams per device (at least the template's).
+      steady: when ``template`` is this steady template's short one, its
+        peak memory is the long program's (:func:`~distir_jax.transforms.coarse_steady.steady_peak_bytes`).
 
     Returns:
       A Program whose features and memory carry ``S`` size variants.
@@ -559,7 +563,10 @@ def realize(
     resident = np.zeros((tables.resident.shape[0], num_devices))
     resident[:, device] = tables.resident
     peak = np.zeros_like(resident)
-    peak[:, device] = stage_peak_memory(template, alloc, free, tables.resident)
+    if steady is None:
+        peak[:, device] = stage_peak_memory(template, alloc, free, tables.resident)
+    else:
+        peak[:, device] = steady_peak_bytes(steady, alloc, free, tables.resident)
     is_comm = (link_kind >= 2) | ((link_kind == 1) & (tensor > 1))
     return Program(
         resource=resource,
@@ -637,6 +644,73 @@ def coarse_pipeline_program(
     Returns:
       A Program with features ``[S, N]`` (``N ~ 4 k v p``).
     """
+    program, _ = _pipeline_program(
+        features,
+        topology,
+        pipeline=pipeline,
+        microbatches=microbatches,
+        data=data,
+        virtual_stages=virtual_stages,
+        schedule=schedule,
+        zero=zero,
+        overlap=overlap,
+        layers_per_chunk=layers_per_chunk,
+        step_costs=step_costs,
+        num_streams=num_streams,
+        overlap_segments=overlap_segments,
+    )
+    return program
+
+
+def steady_pipeline_program(
+    features: LayerFeatures,
+    topology: Topology,
+    *,
+    steady: bool = True,
+    short_microbatches: tuple[int, ...] | None = None,
+    **kwargs,
+) -> tuple[Program, SteadyTemplate | None]:
+    """:func:`coarse_pipeline_program`, as a short steady program where one stands for it.
+
+    With ``steady``, a long 1F1B / interleaved pipeline becomes the short
+    program of :func:`~distir_jax.transforms.coarse_steady.steady_template`
+    (whose period stands for the rest) with the long program's tables:
+    resident tokens of all ``microbatches`` and the long program's peak
+    memory. Its step time is the long one's only once a run certifies the
+    period (:func:`~distir_jax.transforms.coarse_steady.extrapolate`).
+
+    Args:
+      features, topology, kwargs: as :func:`coarse_pipeline_program` takes them.
+      steady: allow the short program.
+      short_microbatches: passed to :func:`~distir_jax.transforms.coarse_steady.steady_template`.
+
+    Returns:
+      ``(program, steady_template)``: the short program and its
+      SteadyTemplate, or the long program and None.
+    """
+    return _pipeline_program(
+        features, topology, steady=steady, short_microbatches=short_microbatches, **kwargs
+    )
+
+
+def _pipeline_program(
+    features,
+    topology,
+    *,
+    pipeline,
+    microbatches,
+    data=1,
+    virtual_stages=1,
+    schedule="1f1b",
+    zero=False,
+    overlap=False,
+    layers_per_chunk=None,
+    step_costs=None,
+    num_streams=None,
+    overlap_segments=False,
+    steady=False,
+    short_microbatches=None,
+):
     p, v = int(pipeline), int(virtual_stages)
     n = p * v
     if layers_per_chunk is None:
@@ -650,8 +724,10 @@ def coarse_pipeline_program(
     mode = data_mode(int(data), bool(overlap), bool(zero))
     segments = overlap_segments and mode.startswith("overlap")
     flags, updates = segment_plan(features, layers, mode == "overlap_zero") if segments else (None, None)
-    template = pipeline_template(p, int(microbatches), v, schedule, mode, step_costs, flags, updates)
+    structure = (p, int(microbatches), v, schedule, mode, step_costs, flags, updates)
+    short = steady_template(*structure, short_microbatches=short_microbatches) if steady else None
+    template = pipeline_template(*structure) if short is None else short.template
     tables = chunk_tables(
         features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode, segments=segments
     )
-    return realize(template, tables, topology, features.tensor, int(data), num_streams)
+    return realize(template, tables, topology, features.tensor, int(data), num_streams, short), short

@@ -1,0 +1,325 @@
+"""A long pipeline as a short one plus repeated periods (steady-state reduction).
+
+A 1F1B or interleaved pipeline with many microbatches issues a warm-up, then
+one steady period over and over, then a cool-down: in issue order its
+template is ``A Q^(1+r) Z`` where the template with ``r`` fewer periods is
+``A Q Z``. Only that short template needs building and simulating:
+
+* The kernel's timeline is max-plus: an op starts at the largest of its
+  resources' clocks, its finish slots and 0, and every clock it holds moves
+  to that start plus its duration. Adding ``c >= 0`` to every input of an op
+  adds ``c`` to its start and finish.
+* If running ``Q`` after ``A`` moves every clock that ``Q`` touches by the
+  same ``lam`` (the *certificate*, read from the short run's op finishes by
+  :func:`extrapolate`),
+  each further copy of ``Q`` moves them by ``lam`` again, and ``Z`` then runs
+  ``r * lam`` later than in the short program, all of it. So the long step
+  time is the short one plus ``r * lam``, exactly (in real arithmetic; in
+  float64 the bound below is ~1e-13).
+* That needs, besides the certificate, what :func:`steady_template` checks
+  statically: ``A`` and ``Q`` read and write no finish slots, ``A`` uses no
+  resource that ``Q`` does not (so every resource is either shifted or never
+  used before ``Z``), and every op of ``Z`` reads at least one clock or slot
+  something wrote before it (an op that reads only untouched resources
+  would start at 0 in both programs, not ``r * lam`` later).
+* Peak memory needs no certificate: each stage's running bytes change by
+  the same net amount over every copy of ``Q`` (the same events with the
+  same sizes), so the long program's peak follows from the short one's
+  per-part rises (:func:`steady_peak_bytes`).
+
+When the certificate fails (the period has not settled in the short
+program), the caller simulates the long template. If the certificate's
+spread is ``e`` (largest minus smallest clock shift), the extrapolated time
+is off by at most ``r * e`` (max-plus maps do not expand differences), which
+is what :func:`extrapolate` bounds.
+
+Which ``Q`` is the period comes from the structure, not the costs: the
+templates for ``k`` and ``k + P`` microbatches (``P`` = 1, or ``p`` for the
+interleaved schedule, which enters microbatches in groups of ``p``) must
+differ by one inserted copy of a block that already ends the periodic part.
+That the template for any larger ``k`` is the same with more copies is what
+tests check against full templates (and ``benchmarks/sweep_gpt3.py
+--check-steady`` on the whole GPT-3 space); it follows from the issue order
+being computed from estimated times, which are themselves max-plus and
+periodic once settled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from distir_jax.transforms.coarse_pipeline import PipelineTemplate, pipeline_template, template_size
+
+__all__ = [
+    "SteadyTemplate",
+    "extrapolate",
+    "steady_peak_bytes",
+    "steady_template",
+    "worth_it",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SteadyTemplate:
+    """A short template whose one period stands for ``extra_periods + 1`` copies.
+
+    Attributes:
+      template: the short template ``A Q Z``.
+      microbatches: ``k`` of the long program it stands for.
+      extra_periods: ``r``, the copies of ``Q`` the long program has beyond the short one's.
+      period: ``(begin, end)`` op range of ``Q`` in ``template``.
+      before, after: ``[R]`` per resource (``stage * 2 + stream``) that ``Q``
+        uses: the last op on it before ``Q`` (-1: none, clock 0) and the last
+        op on it within ``Q``. Their finish times are the resource's clock
+        before and after the period.
+      resources: ``[R]`` those resources.
+      event_part: ``[E]`` for each memory event of ``template.stage_events``,
+        0 if its op is in ``A``, 1 in ``Q``, 2 in ``Z``.
+    """
+
+    template: PipelineTemplate
+    microbatches: int
+    extra_periods: int
+    period: tuple[int, int]
+    before: np.ndarray
+    after: np.ndarray
+    resources: np.ndarray
+    event_part: np.ndarray
+
+
+def _microbatch_period(schedule: str, pipeline: int) -> int:
+    return pipeline if schedule == "interleaved" else 1
+
+
+def _short_candidates(schedule: str, pipeline: int) -> tuple[int, ...]:
+    """Short microbatch counts to try, smallest first: the 1F1B order is
+    periodic from ``k = p + 1`` and its clocks from ``p + 2``, the interleaved
+    ones usually from ``3p`` and ``5p``."""
+    p = pipeline
+    if schedule == "interleaved":
+        return (5 * p, 6 * p, 8 * p)
+    return (p + 2, 2 * p + 2, 4 * p)
+
+
+def _signature(template: PipelineTemplate) -> np.ndarray:
+    """``[N, X]``: everything the kernel and the memory replay see of an op."""
+    cost_row, memory_row = template.rows
+    columns = [cost_row, memory_row, template.stage, template.stream, template.link_kind]
+    columns += [template.dep_slot, template.out_slot]
+    return np.column_stack([np.asarray(c).reshape(len(cost_row), -1) for c in columns]).astype(np.int64)
+
+
+def _find_period(short: np.ndarray, long: np.ndarray) -> tuple[int, int] | None:
+    """``(begin, end)`` of a block ``Q`` with ``short = A Q Z`` and ``long = A Q Q Z``, or None."""
+    n1, length = len(short), len(long) - len(short)
+    if length <= 0 or length > n1:
+        return None
+    differ = np.flatnonzero(np.any(short != long[:n1], axis=1))
+    prefix = int(differ[0]) if differ.size else n1
+    differ = np.flatnonzero(np.any(short[::-1] != long[::-1][:n1], axis=1))
+    suffix = int(differ[0]) if differ.size else n1
+    # Insertion points i with long = short[:i] + X + short[i:]: N1 - suffix <= i <= prefix.
+    # X is a second copy of the block before it when long repeats with period L over [i - L, i + L).
+    repeats = np.all(long[length:] == long[:-length], axis=1)  # long[j] == long[j + L]
+    bad = np.concatenate([[0], np.cumsum(~repeats)])
+    for i in range(min(prefix, n1), max(n1 - suffix, length) - 1, -1):
+        if bad[i] - bad[i - length] == 0:
+            return i - length, i
+    return None
+
+
+def _resources(template: PipelineTemplate) -> np.ndarray:
+    """``[N, 2]`` resource of each op slot (``stage * 2 + stream``; a send's
+    receiving slot is on stream 0), -1 where unused."""
+    stage = template.stage
+    stream = np.stack([template.stream, np.zeros_like(template.stream)], axis=1)
+    return np.where(stage >= 0, stage * 2 + stream, -1)
+
+
+def _statically_sound(template: PipelineTemplate, begin: int, end: int) -> bool:
+    """The conditions besides the certificate (see the module docstring)."""
+    if np.any(template.dep_slot[:end] >= 0) or np.any(template.out_slot[:end] >= 0):
+        return False
+    res = _resources(template)
+    in_period = np.unique(res[begin:end][res[begin:end] >= 0])
+    earlier = res[:begin][res[:begin] >= 0]
+    if not np.all(np.isin(earlier, in_period)):
+        return False
+    # An op of Z whose every resource is used for the first time, and that waits for no slot,
+    # would start at 0 in both programs.
+    flat = res.reshape(-1)
+    used = flat >= 0
+    first = np.full(flat.max(initial=0) + 1, len(res))
+    np.minimum.at(first, flat[used], np.flatnonzero(used) // 2)
+    op = np.arange(len(res))
+    fresh = np.where(res >= 0, first[np.maximum(res, 0)] == op[:, None], True).all(axis=1)
+    fresh &= (res >= 0).any(axis=1)
+    waits = (template.dep_slot.reshape(len(res), -1) >= 0).any(axis=1)
+    return not np.any(fresh[end:] & ~waits[end:])
+
+
+def _last_op_on(res: np.ndarray, resources: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Per resource, the last op in ``[lo, hi)`` using it, or -1."""
+    out = np.full(len(resources), -1, np.int64)
+    window = res[lo:hi]
+    for j, r in enumerate(resources):
+        hits = np.flatnonzero((window == r).any(axis=1))
+        if hits.size:
+            out[j] = lo + hits[-1]
+    return out
+
+
+def steady_template(
+    pipeline: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+    mode: str = "none",
+    step_costs=None,
+    segments: tuple | None = None,
+    updates: tuple | None = None,
+    *,
+    short_microbatches: tuple[int, ...] | None = None,
+) -> SteadyTemplate | None:
+    """The short template that stands for a long 1F1B / interleaved one, or None.
+
+    Args:
+      pipeline, microbatches, virtual_stages, schedule, mode, step_costs,
+        segments, updates: the long template's, as
+        :func:`~distir_jax.transforms.coarse_pipeline.pipeline_template`
+        takes them (the short one gets the same).
+      short_microbatches: short microbatch counts to try, in order (default:
+        a few per schedule, smallest first).
+
+    Returns:
+      None when the long program is not longer than the shortest that shows
+      a period, for GPipe (whose warm-up grows with ``k``), or when no
+      candidate short template has a period that passes the static checks.
+      The certificate on costs is the caller's (see :func:`extrapolate`).
+    """
+    p, k, v = int(pipeline), int(microbatches), int(virtual_stages)
+    if schedule not in ("1f1b", "interleaved") or p < 2:
+        return None
+    step = _microbatch_period(schedule, p)
+    candidates = _short_candidates(schedule, p) if short_microbatches is None else short_microbatches
+    costs = None if step_costs is None else tuple(map(tuple, np.asarray(step_costs, np.float64).tolist()))
+    if segments is not None:  # hashable, as pipeline_template normalizes them
+        segments = tuple(tuple(bool(x) for x in c) for c in segments)
+    if updates is not None:
+        updates = tuple(tuple(int(j) for j in c) for c in updates)
+    for short_k in candidates:
+        if short_k + step > k:
+            return None
+        if (k - short_k) % step:
+            continue
+        found = _short(p, int(short_k), v, schedule, mode, costs, segments, updates)
+        if found is not None:
+            return dataclasses.replace(found, microbatches=k, extra_periods=(k - short_k) // step)
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def _short(p, short_k, v, schedule, mode, costs, segments, updates) -> SteadyTemplate | None:
+    """The short template of ``short_k`` microbatches and its period, if it
+    has one that passes the static checks (shared by every longer ``k``)."""
+    step_costs = None if costs is None else np.asarray(costs, np.float64)
+    short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
+    longer_k = short_k + _microbatch_period(schedule, p)
+    longer = pipeline_template(p, longer_k, v, schedule, mode, step_costs, segments, updates)
+    found = _find_period(_signature(short), _signature(longer))
+    if found is None or not _statically_sound(short, *found):
+        return None
+    begin, end = found
+    res = _resources(short)
+    in_period = res[begin:end]
+    resources = np.unique(in_period[in_period >= 0])
+    op = short.stage_events[0] // 2
+    return SteadyTemplate(
+        template=short,
+        microbatches=short_k,
+        extra_periods=0,
+        period=(begin, end),
+        before=_last_op_on(res, resources, 0, begin),
+        after=_last_op_on(res, resources, begin, end),
+        resources=resources,
+        event_part=(op >= begin).astype(np.int8) + (op >= end),
+    )
+
+
+def worth_it(pipeline: int, microbatches: int, virtual_stages: int, schedule: str, mode: str) -> bool:
+    """Whether a steady template would be much shorter than the long one (a cheap test first)."""
+    if schedule not in ("1f1b", "interleaved") or pipeline < 2:
+        return False
+    short_k = _short_candidates(schedule, pipeline)[0] + _microbatch_period(schedule, pipeline)
+    return (
+        2 * template_size(pipeline, short_k, virtual_stages, mode)[0]
+        <= template_size(pipeline, microbatches, virtual_stages, mode)[0]
+    )
+
+
+def extrapolate(op_finish, before, after, extra_periods, step_time, rtol, xp=np):
+    """The long programs' step times from short runs, and whether each is certified.
+
+    Written once for NumPy and ``jax.numpy`` (``xp``), like the cost model.
+
+    Args:
+      op_finish: ``[B, N]`` op finish times of the short runs (``SimResult.op_finish``).
+      before, after: ``[B, R]`` or ``[R]``: :attr:`SteadyTemplate.before` /
+        ``after``, -1 past a row's resources.
+      extra_periods: ``[B]`` ``r`` (0: the row is no steady program; it is certified).
+      step_time: ``[B]`` of the short runs.
+      rtol: the largest relative error the bound ``r * spread`` may reach
+        (``spread``: largest minus smallest clock shift over the period).
+
+    Returns:
+      ``(step_time, certified)``: ``[B]`` the short time plus ``r`` times the
+      period's clock shift, and ``[B]`` bools; a row that is not certified
+      needs its long program.
+    """
+    finish = xp.asarray(op_finish)
+    shape = (finish.shape[0], xp.shape(before)[-1])
+    before, after = xp.broadcast_to(before, shape), xp.broadcast_to(after, shape)
+    clock_before = xp.where(before >= 0, xp.take_along_axis(finish, xp.maximum(before, 0), axis=1), 0.0)
+    clock_after = xp.take_along_axis(finish, xp.maximum(after, 0), axis=1)
+    shift, used = clock_after - clock_before, after >= 0
+    lam = xp.max(xp.where(used, shift, 0.0), axis=1)
+    spread = lam - xp.min(xp.where(used, shift, lam[:, None]), axis=1)
+    long_time = step_time + extra_periods * lam
+    return long_time, (extra_periods == 0) | (extra_periods * spread <= rtol * long_time)
+
+
+def steady_peak_bytes(steady: SteadyTemplate, alloc, free, resident) -> np.ndarray:
+    """``[B, p]`` peak bytes of each stage's device in the long program.
+
+    :func:`~distir_jax.transforms.coarse_program.stage_peak_memory`'s rule,
+    with the copies of ``Q``: each stage's running bytes move by its net over
+    ``Q`` (``net``) per copy, so the copies peak at the first one's rise plus
+    ``max(0, r * net)`` and ``Z`` at its short rise plus ``r * net``.
+
+    Args:
+      steady: the short template.
+      alloc, free: ``[B, N, 2]`` per op slot of the short program (``Program.alloc_bytes``).
+      resident: ``[B, p]`` resident bytes of each stage.
+    """
+    perm, stage = steady.template.stage_events
+    b, p = np.shape(resident)
+    a = np.asarray(alloc, np.float64).reshape(b, -1)[:, perm]
+    delta = a - np.asarray(free, np.float64).reshape(b, -1)[:, perm]
+    running = np.cumsum(delta, axis=1) - delta
+    starts = np.searchsorted(stage, stage)  # each event's stage's first event
+    rise = running - running[:, starts] + a
+    part = steady.event_part
+    net = np.zeros((b, p))
+    for s in range(p):
+        net[:, s] = delta[:, (stage == s) & (part == 1)].sum(axis=1)
+    moved = steady.extra_periods * net[:, stage]
+    rise = rise + np.where(part == 1, np.maximum(moved, 0.0), np.where(part == 2, moved, 0.0))
+    peak = np.array(resident, np.float64, copy=True)
+    for s in range(p):
+        on = stage == s
+        if on.any():
+            peak[:, s] += np.maximum(rise[:, on].max(axis=1), 0.0)
+    return peak

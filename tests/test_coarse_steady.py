@@ -1,0 +1,160 @@
+"""Steady-state reduction: a long pipeline as a short template plus periods.
+
+The oracle is the long template itself: its ops must be the short one's with
+the period repeated, and the kernel on it (float64) must give the step time
+and per-stage peak memory that the short run extrapolates to.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from distir_jax.hardware import Hardware
+from distir_jax.kernel import simulate
+from distir_jax.models import TransformerConfig
+from distir_jax.presets import get_preset
+from distir_jax.transforms.coarse import (
+    balanced_layers,
+    coarse_pipeline_program,
+    layer_features,
+    pipeline_template,
+    steady_pipeline_program,
+    transform_step_costs,
+)
+from distir_jax.transforms.coarse_steady import (
+    _find_period,
+    _signature,
+    extrapolate,
+    steady_template,
+    worth_it,
+)
+
+GPT = TransformerConfig(num_layers=8, hidden=64, num_heads=4, vocab_size=128, seq_len=16, dtype="f32")
+PIPELINES = [
+    ("1f1b", 2, 1),
+    ("1f1b", 4, 1),
+    ("interleaved", 2, 2),
+    ("interleaved", 4, 2),
+    ("interleaved", 2, 4),
+]
+
+
+@functools.cache
+def topology():
+    return get_preset("dgx-a100-80gb:16", dtype="f32")
+
+
+@pytest.mark.parametrize("schedule, p, v", PIPELINES + [("1f1b", 8, 1), ("interleaved", 8, 2)])
+@pytest.mark.parametrize("mode", ["none", "sync", "overlap", "overlap_zero"])
+def test_long_templates_are_the_short_one_with_the_period_repeated(schedule, p, v, mode):
+    step = p if schedule == "interleaved" else 1
+    found = 0
+    for k in range(step, 14 * p + 1, step):
+        steady = steady_template(p, k, v, schedule, mode)
+        if steady is None:
+            continue
+        found += 1
+        assert steady.extra_periods >= 1 and steady.microbatches == k
+        short = _signature(steady.template)
+        begin, end = steady.period
+        rebuilt = np.concatenate([short[:end]] + [short[begin:end]] * steady.extra_periods + [short[end:]])
+        np.testing.assert_array_equal(rebuilt, _signature(pipeline_template(p, k, v, schedule, mode)))
+    assert found >= 4
+
+
+def test_no_steady_template_where_none_applies():
+    assert steady_template(4, 64, 1, "gpipe") is None  # GPipe's warm-up grows with k
+    assert steady_template(1, 64, 1, "1f1b") is None  # no pipeline
+    assert steady_template(4, 6, 1, "1f1b") is None  # not longer than the short one
+    assert worth_it(4, 64, 1, "1f1b", "none") and not worth_it(4, 8, 1, "1f1b", "none")
+
+
+def test_find_period():
+    rng = np.random.default_rng(0)
+    a, q, z = (rng.integers(0, 5, (n, 3)) for n in (7, 4, 6))
+    short = np.concatenate([a, q, z])
+    assert _find_period(short, np.concatenate([a, q, q, z])) == (7, 11)
+    assert _find_period(short, np.concatenate([a, q, q[::-1], z])) is None
+    assert _find_period(short, short) is None
+
+
+def _programs(schedule, p, v, k, tensor, recompute, data, zero, overlap, transform_order=False, **steady):
+    """The long program, and the short steady one with its SteadyTemplate.
+
+    ``transform_order``: the pipeline transform's issue order (from the
+    block's flops) and exact overlap segments, as the sweep's fast engine
+    builds them; otherwise the unit-cost order.
+    """
+    features = layer_features(GPT, tensor, recompute, [1, 4], topology())
+    layers = balanced_layers(features, p * v)
+    kwargs = dict(
+        pipeline=p,
+        microbatches=k,
+        data=data,
+        virtual_stages=v,
+        schedule=schedule,
+        zero=zero,
+        overlap=overlap,
+        layers_per_chunk=layers,
+    )
+    if transform_order:
+        kwargs.update(step_costs=transform_step_costs(features, layers, [0]), overlap_segments=True)
+    long = coarse_pipeline_program(features, topology(), **kwargs)
+    short, found = steady_pipeline_program(features, topology(), **kwargs, **steady)
+    return found, long, short
+
+
+def _extrapolate(steady, run):
+    extra = np.full(len(run.step_time), steady.extra_periods, np.float64)
+    finish, time = np.asarray(run.op_finish), np.asarray(run.step_time)
+    return extrapolate(finish, steady.before, steady.after, extra, time, rtol=1e-9)
+
+
+CASES = [
+    # schedule, p, v, k, tensor, recompute, data, zero, overlap[, transform order]
+    ("1f1b", 2, 1, 16, 1, "none", 1, False, False),
+    ("1f1b", 4, 1, 13, 2, "attention", 2, False, False),
+    ("1f1b", 4, 1, 20, 2, "full", 2, False, True),
+    ("1f1b", 2, 1, 9, 1, "attention", 2, True, True),
+    ("interleaved", 2, 2, 16, 1, "none", 2, True, False),
+    ("interleaved", 4, 2, 28, 2, "attention", 2, False, False),
+    ("interleaved", 2, 4, 12, 2, "full", 2, False, True),
+    ("interleaved", 2, 2, 14, 1, "attention", 2, True, True),
+    # The transform's order and exact overlap, as the sweep's fast engine builds programs.
+    ("1f1b", 4, 1, 13, 2, "attention", 2, False, True, True),
+    ("1f1b", 2, 1, 11, 1, "full", 2, True, True, True),
+    ("interleaved", 2, 2, 16, 1, "none", 2, True, True, True),
+    ("interleaved", 4, 2, 24, 1, "attention", 1, False, False, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_extrapolated_step_time_and_peak_memory_equal_the_long_programs(case):
+    steady, long, short = _programs(*case)
+    assert steady is not None and int(short.num_ops) < int(long.num_ops)
+    hardware = Hardware.from_topology(topology())
+    with jax.enable_x64(True):
+        want = np.asarray(simulate(long, hardware).step_time)
+        run = simulate(short, hardware, record_ops=True)
+        got, certified = _extrapolate(steady, run)
+    assert certified.all()
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+    np.testing.assert_allclose(short.peak_bytes, long.peak_bytes, rtol=1e-12)
+    np.testing.assert_array_equal(short.resident_bytes, long.resident_bytes)
+
+
+def test_an_unsettled_period_is_not_certified():
+    # With p + 1 microbatches the 1F1B order already repeats, but the clocks have not settled.
+    steady, long, short = _programs("1f1b", 4, 1, 16, 1, "none", 1, False, False, short_microbatches=(5,))
+    assert steady is not None
+    hardware = Hardware.from_topology(topology())
+    with jax.enable_x64(True):
+        want = np.asarray(simulate(long, hardware).step_time)
+        run = simulate(short, hardware, record_ops=True)
+        claimed, certified = _extrapolate(steady, run)
+    assert not certified.any()
+    assert np.all(np.abs(claimed - want) > 1e-6 * want)  # and what it would claim is wrong
