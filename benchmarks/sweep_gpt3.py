@@ -58,6 +58,7 @@ from distir_jax.transforms.coarse import (
     stage_devices,
     template_size,
 )
+from distir_jax.transforms.coarse_steady import extrapolate, steady_template, worth_it
 from search._programs import choose_capacities
 
 MODEL = "gpt3-175b"
@@ -69,13 +70,17 @@ _MAX_STAGES = 64
 _MAX_CHUNKS = 96
 _COST_ROWS = 4 * _MAX_CHUNKS + 2 * _MAX_STAGES + 2  # the last row stays zero (padding ops)
 _MEMORY_ROWS = 3 * _MAX_CHUNKS + _MAX_STAGES + 3
+# Most resources one steady period uses (stream 0 of every stage, at most).
+_PERIOD_RESOURCES = 2 * _MAX_STAGES
+# Largest relative error the steady-state certificate's bound may allow (float64 kernel).
+_STEADY_RTOL = 1e-9
 # Most op-rows (ops x configurations) one kernel call holds: bounds its memory.
 _OP_ROWS_PER_CALL = 1 << 22
 _MAX_ROWS_PER_CALL = 1024
 # Cost model for choosing op capacities: kernel seconds per padded op-row, and
 # seconds to compile one more kernel shape (measured on the 2-core VM).
 _SECONDS_PER_OP_ROW = 2.5e-7
-_SECONDS_PER_COMPILE = 2.0
+_SECONDS_PER_COMPILE = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +148,13 @@ def enumerate_space(model, world: int = 64, global_batch: int = GLOBAL_BATCH) ->
     return configs
 
 
-def _template_arrays(template, n_cap: int) -> dict:
-    """A template's per-op index arrays, padded to ``n_cap`` ops (padding: no resource, zero rows)."""
+def _template_arrays(template, n_cap: int, steady=None) -> dict:
+    """A template's per-op index arrays, padded to ``n_cap`` ops (padding: no resource, zero rows).
+
+    With ``steady`` (a :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`
+    of ``template``), also its period: the ops whose finishes are each
+    resource's clock before and after it, and each memory event's part.
+    """
     n = template.num_ops
     cost_row, memory_row = template.rows
     perm, stage = template.stage_events
@@ -169,18 +179,36 @@ def _template_arrays(template, n_cap: int) -> dict:
     out["event_stage"][:events] = stage
     out["event_first"] = np.zeros(2 * n_cap, np.int32)
     out["event_first"][:events] = np.searchsorted(stage, stage)
+    out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
+    out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
+    out["event_part"] = np.zeros(2 * n_cap, np.int32)
+    if steady is not None:
+        if len(steady.resources) > _PERIOD_RESOURCES:
+            raise ValueError(f"a period uses {len(steady.resources)} resources, > {_PERIOD_RESOURCES}")
+        out["period_before"][: len(steady.before)] = steady.before
+        out["period_after"][: len(steady.after)] = steady.after
+        out["event_part"][:events] = steady.event_part
     return out
 
 
-def _stage_peaks(tmpl, tid, alloc, free, resident):
-    """Peak bytes of each stage's device: lower.peak_memory's rule on stage-sorted events."""
+def _stage_peaks(tmpl, tid, alloc, free, resident, periods):
+    """Peak bytes of each stage's device: lower.peak_memory's rule on stage-sorted events.
+
+    A steady template's period stands for ``1 + periods`` copies: each moves the
+    stage's running bytes by its net over the period (see coarse_steady.steady_peak_bytes).
+    """
     perm = tmpl["event_perm"][tid]
     memory_row = tmpl["memory_row"][tid]
+    stage = tmpl["event_stage"][tid]
+    part = tmpl["event_part"][tid]
     a = alloc[memory_row].reshape(-1)[perm]
     delta = a - free[memory_row].reshape(-1)[perm]
     running = jnp.cumsum(delta) - delta
     within = running - running[tmpl["event_first"][tid]]
-    rise = jax.ops.segment_max(within + a, tmpl["event_stage"][tid], _MAX_STAGES + 1)[:_MAX_STAGES]
+    net = jax.ops.segment_sum(jnp.where(part == 1, delta, 0.0), stage, _MAX_STAGES + 1)
+    moved = periods * net[stage]
+    within = within + jnp.where(part == 1, jnp.maximum(moved, 0.0), jnp.where(part == 2, moved, 0.0))
+    rise = jax.ops.segment_max(within + a, stage, _MAX_STAGES + 1)[:_MAX_STAGES]
     return resident + jnp.maximum(rise, 0.0)
 
 
@@ -205,7 +233,7 @@ def _expand_row(tmpl, tid, cost, device, tp_link, dp_link):
 def _peak_call(tmpl, rows):
     """Peak bytes (largest over stages) of every row."""
     peaks = jax.vmap(functools.partial(_stage_peaks, tmpl))(
-        rows["tid"], rows["alloc"], rows["free"], rows["resident"]
+        rows["tid"], rows["alloc"], rows["free"], rows["resident"], rows["periods"]
     )
     return peaks.max(axis=1)
 
@@ -215,7 +243,7 @@ def _simulate_call(tmpl, rows, hardware, num_slots):
     """Expands every row's program from the templates and simulates them in one kernel call."""
     num_devices = hardware.peak_flops.shape[-1]
     stage_peak = jax.vmap(functools.partial(_stage_peaks, tmpl))(
-        rows["tid"], rows["alloc"], rows["free"], rows["resident"]
+        rows["tid"], rows["alloc"], rows["free"], rows["resident"], rows["periods"]
     )
     resource, slot_device, link, features = jax.vmap(functools.partial(_expand_row, tmpl))(
         rows["tid"], rows["cost"], rows["device"], rows["tp_link"], rows["dp_link"]
@@ -223,7 +251,7 @@ def _simulate_call(tmpl, rows, hardware, num_slots):
     on_device = jnp.where(rows["device"] >= 0, rows["device"], num_devices)
     num_rows, n = features.shape[:2]
     scatter = jax.vmap(lambda where, x: jnp.zeros(num_devices).at[where].set(x, mode="drop"))
-    zeros = jnp.zeros((num_rows, n), jnp.float32)  # coarse ops have no roofline part left
+    zeros = jnp.zeros((num_rows, n), features.dtype)  # coarse ops have no roofline part left
     program = Program(
         resource=resource.astype(jnp.int32),
         slot_device=slot_device.astype(jnp.int32),
@@ -243,8 +271,13 @@ def _simulate_call(tmpl, rows, hardware, num_slots):
             for i, name in enumerate(COST_FEATURES)
         },
     )
-    result = simulate(program, hardware)
-    return result.step_time, result.status, stage_peak.max(axis=1)
+    result = simulate(program, hardware, record_ops=True)
+    # Steady rows: the long program's time from the clocks around the period.
+    before, after = tmpl["period_before"][rows["tid"]], tmpl["period_after"][rows["tid"]]
+    step_time, certified = extrapolate(
+        result.op_finish, before, after, rows["periods"], result.step_time, _STEADY_RTOL, xp=jnp
+    )
+    return step_time, result.status, stage_peak.max(axis=1), certified
 
 
 def _subsample(configs: list, every: int) -> list:
@@ -309,10 +342,11 @@ class _Rows:
 def _empty_rows(num_rows: int) -> dict:
     return dict(
         tid=np.zeros(num_rows, np.int32),
-        cost=np.zeros((num_rows, _COST_ROWS, len(COST_FEATURES)), np.float32),
-        alloc=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float32),
-        free=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float32),
-        resident=np.zeros((num_rows, _MAX_STAGES), np.float32),
+        periods=np.zeros(num_rows, np.float64),
+        cost=np.zeros((num_rows, _COST_ROWS, len(COST_FEATURES)), np.float64),
+        alloc=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float64),
+        free=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float64),
+        resident=np.zeros((num_rows, _MAX_STAGES), np.float64),
         device=np.full((num_rows, _MAX_STAGES), -1, np.int32),
         tp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
         dp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
@@ -345,11 +379,13 @@ def _calls(ids, template_of, size_of, caps):
     return out
 
 
-def _run(calls, template_of, rows: _Rows, run):
+def _run(calls, template_of, rows: _Rows, run, short: dict, periods: np.ndarray):
     """Builds templates on first use, fills and issues every call; returns ``[(ids, result)]``.
 
     Calls run asynchronously, so building the next templates and rows on the
-    host overlaps the kernel running the previous call.
+    host overlaps the kernel running the previous call. ``short`` maps the
+    keys of steady templates to their SteadyTemplate; ``periods`` gives each
+    configuration's extra periods (0 for a long template).
     """
     templates, padded, width = {}, {}, {}
     for cap, _, ids in calls:
@@ -360,13 +396,14 @@ def _run(calls, template_of, rows: _Rows, run):
         for key in used:
             if (key, cap) not in padded:
                 if key not in templates:
-                    templates[key] = pipeline_template(*key)
-                padded[(key, cap)] = _template_arrays(templates[key], cap)
+                    templates[key] = short[key].template if key in short else pipeline_template(*key[:5])
+                padded[(key, cap)] = _template_arrays(templates[key], cap, short.get(key))
         stack = [padded[(key, cap)] for key in used] + [padded[(used[0], cap)]] * (width[cap] - len(used))
         tmpl = {name: np.stack([t[name] for t in stack]) for name in stack[0]}
         out = _empty_rows(num_rows)
         index = {key: u for u, key in enumerate(used)}
         out["tid"][: len(ids)] = [index[template_of[i]] for i in ids]
+        out["periods"][: len(ids)] = periods[ids]
         rows.fill(ids, out)
         for name in out:  # padding rows repeat the first
             out[name][len(ids) :] = out[name][0]
@@ -374,7 +411,9 @@ def _run(calls, template_of, rows: _Rows, run):
     return issued
 
 
-def gpt3_configs_per_second(quick: bool, *, fit_only: bool = False, verbose: bool = True) -> dict:
+def gpt3_configs_per_second(
+    quick: bool, *, fit_only: bool = False, steady: bool = True, verbose: bool = True
+) -> dict:
     """Simulates benchmark (b)'s space end to end and measures configurations per second.
 
     Args:
@@ -382,16 +421,27 @@ def gpt3_configs_per_second(quick: bool, *, fit_only: bool = False, verbose: boo
       fit_only: compute every configuration's peak memory first and simulate
         the timelines of those that fit only (out-of-memory ones are decided
         by memory alone). The default simulates every configuration's timeline.
+      steady: simulate a long 1F1B / interleaved pipeline as a short one whose
+        steady period stands for the rest (:mod:`~distir_jax.transforms.coarse_steady`;
+        rows whose short run does not certify the period are simulated long).
       verbose: print the size of the space and of the sample once enumerated.
 
     Returns:
       A dict: ``configs`` evaluated, ``space_configs`` in the whole space,
       ``structural_keys`` and ``templates`` among them, ``ops`` (sum of their
-      program sizes), ``simulated`` timelines, ``fit`` (within memory),
-      ``seconds`` end to end, ``configs_per_second``, ``capacities`` (kernel
-      op capacities), ``best`` (the fastest fitting configuration, its step
-      time and peak memory) and ``phases`` (seconds per phase).
+      program sizes as simulated), ``simulated`` timelines, ``steady`` (of
+      them from a short template), ``uncertified`` (short runs redone long),
+      ``fit`` (within memory), ``seconds`` end to end, ``configs_per_second``,
+      ``capacities`` (kernel op capacities), ``best`` (the fastest fitting
+      configuration, its step time and peak memory), ``phases`` (seconds per
+      phase), and per configuration ``step_time``, ``peak`` and ``status``.
     """
+    # float64: the steady certificate compares clock shifts to ~1e-9 relative.
+    with jax.enable_x64(True):
+        return _gpt3(quick, fit_only, steady, verbose)
+
+
+def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     begin = time.perf_counter()
     phases = {}
     topology = get_preset(PRESET)
@@ -408,37 +458,81 @@ def gpt3_configs_per_second(quick: bool, *, fit_only: bool = False, verbose: boo
     rows = _Rows(model, topology, configs)
     phases["features"] = time.perf_counter() - begin
     tick = time.perf_counter()
-    template_of = [(c.pipeline, c.microbatches, c.virtual_stages, c.schedule, c.mode) for c in configs]
-    shape = {key: template_size(key[0], key[1], key[2], key[4]) for key in set(template_of)}
-    size_of = [shape[key][0] for key in template_of]
-    hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), Hardware.from_topology(topology))
+    # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
+    long_of = [(c.pipeline, c.microbatches, c.virtual_stages, c.schedule, c.mode) for c in configs]
+    steady_of = {key: steady_template(*key) if steady and worth_it(*key) else None for key in set(long_of)}
+    short, template_of = {}, []
+    periods = np.zeros(len(configs))
+    for i, key in enumerate(long_of):
+        found = steady_of[key]
+        if found is None:
+            template_of.append(key + (False,))
+            continue
+        kernel_key = (key[0], found.template.microbatches) + key[2:] + (True,)
+        short[kernel_key] = found
+        template_of.append(kernel_key)
+        periods[i] = found.extra_periods
+    steady_rows = int((periods > 0).sum())
+    phases["steady templates"] = time.perf_counter() - tick
+    tick = time.perf_counter()
+    hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     step_time = np.full(len(configs), np.inf)
     status = np.full(len(configs), -1, np.int64)
     peak = np.full(len(configs), np.nan)
     capacity = float(topology.memory_capacity.max())
+
+    def sizes(ids):
+        return [template_size(*template_of[i][:3], template_of[i][4]) for i in ids]
+
+    def calls_for(ids, caps=None):
+        size = dict(zip(ids, (n for n, _ in sizes(ids)), strict=True))
+        caps = _buckets(list(size.values())) if caps is None else caps
+        return caps, _calls(ids, template_of, size, caps)
+
     todo = list(range(len(configs)))
     if fit_only:
-        calls = _calls(todo, template_of, size_of, _buckets(size_of))
-        for ids, result in _run(calls, template_of, rows, lambda tmpl, out, cap: _peak_call(tmpl, out)):
+        _, calls = calls_for(todo)
+        issued = _run(calls, template_of, rows, lambda tmpl, out, cap: _peak_call(tmpl, out), short, periods)
+        for ids, result in issued:
             peak[ids] = jax.device_get(result)[: len(ids)]
         todo = [i for i in todo if peak[i] <= capacity]
         status[peak > capacity] = STATUS_OUT_OF_MEMORY
         phases["memory"] = time.perf_counter() - tick
         tick = time.perf_counter()
-    caps = _buckets([size_of[i] for i in todo]) if todo else []
-    calls = _calls(todo, template_of, size_of, caps)
-    slots: dict[int, int] = {}
-    for cap, _, ids in calls:
-        slots[cap] = max([slots.get(cap, 1)] + [shape[template_of[i]][1] for i in ids])
-    issued = _run(
-        calls, template_of, rows, lambda tmpl, out, cap: _simulate_call(tmpl, out, hardware, slots[cap])
-    )
-    phases["build and issue"] = time.perf_counter() - tick  # templates, rows, compiles; kernels start
-    tick = time.perf_counter()
-    for ids, result in issued:
-        times, codes, peaks = jax.device_get(result)
-        step_time[ids], status[ids], peak[ids] = times[: len(ids)], codes[: len(ids)], peaks[: len(ids)]
-    phases["wait"] = time.perf_counter() - tick  # the kernels still running
+
+    def simulate_ids(ids):
+        """Simulates configurations ``ids``; returns those whose period was not certified."""
+        if not ids:
+            return [], []
+        caps, calls = calls_for(ids)
+        slots: dict[int, int] = {}
+        for cap, _, members in calls:
+            slots[cap] = max([slots.get(cap, 1)] + [n for _, n in sizes(members)])
+        issued = _run(
+            calls,
+            template_of,
+            rows,
+            lambda tmpl, out, cap: _simulate_call(tmpl, out, hardware, slots[cap]),
+            short,
+            periods,
+        )
+        redo = []
+        for members, result in issued:
+            times, codes, peaks, certified = (x[: len(members)] for x in jax.device_get(result))
+            step_time[members], status[members], peak[members] = times, codes, peaks
+            redo += [int(i) for i in members[~certified]]
+        return caps, redo
+
+    caps, redo = simulate_ids(todo)
+    simulated_ops = sum(n for n, _ in sizes(todo))
+    phases["simulate"] = time.perf_counter() - tick
+    if redo:  # short runs whose period had not settled: the long templates
+        tick = time.perf_counter()
+        for i in redo:
+            template_of[i], periods[i] = long_of[i] + (False,), 0
+        simulated_ops += sum(n for n, _ in sizes(redo))
+        simulate_ids(redo)
+        phases["uncertified, long"] = time.perf_counter() - tick
     total = time.perf_counter() - begin
     fit = status == STATUS_OK
     best = int(np.argmin(np.where(fit, step_time, np.inf))) if fit.any() else None
@@ -446,9 +540,11 @@ def gpt3_configs_per_second(quick: bool, *, fit_only: bool = False, verbose: boo
         configs=len(configs),
         space_configs=len(everything),
         structural_keys=len({c.structural_key for c in configs}),
-        templates=len(shape),
-        ops=int(sum(size_of)),
+        templates=len(set(template_of)),
+        ops=int(simulated_ops),
         simulated=len(todo),
+        steady=steady_rows,
+        uncertified=len(redo),
         fit=int(fit.sum()),
         seconds=total,
         configs_per_second=len(configs) / total,
@@ -462,6 +558,9 @@ def gpt3_configs_per_second(quick: bool, *, fit_only: bool = False, verbose: boo
             samples_per_s=GLOBAL_BATCH / float(step_time[best]),
         ),
         phases=phases,
+        step_time=step_time,
+        peak=peak,
+        status=status,
     )
 
 
@@ -517,6 +616,12 @@ def main() -> None:
     parser.add_argument(
         "--fit-only", action="store_true", help="simulate fitting configurations' timelines only"
     )
+    parser.add_argument("--no-steady", action="store_true", help="simulate every pipeline at its full length")
+    parser.add_argument(
+        "--check-steady",
+        action="store_true",
+        help="also simulate every pipeline at full length and compare (slow)",
+    )
     parser.add_argument(
         "--rows-per-call", type=int, default=_MAX_ROWS_PER_CALL, help="most configurations per kernel call"
     )
@@ -541,11 +646,12 @@ def main() -> None:
         f"# rows/call {_MAX_ROWS_PER_CALL}, op-rows/call {_OP_ROWS_PER_CALL}, "
         f"s/op-row {_SECONDS_PER_OP_ROW:g}, s/compile {_SECONDS_PER_COMPILE:g}"
     )
-    r = gpt3_configs_per_second(args.quick, fit_only=args.fit_only)
+    r = gpt3_configs_per_second(args.quick, fit_only=args.fit_only, steady=not args.no_steady)
     print(
         f"space: {r['space_configs']} configurations; evaluated {r['configs']} ({r['structural_keys']} "
-        f"structural keys, {r['templates']} templates, {r['ops']:.3g} coarse ops in all); "
-        f"{r['simulated']} timelines simulated, kernel capacities {r['capacities']}"
+        f"structural keys, {r['templates']} templates, {r['ops']:.3g} coarse ops simulated); "
+        f"{r['simulated']} timelines, {r['steady']} of them from a short steady template "
+        f"({r['uncertified']} not certified, redone long); kernel capacities {r['capacities']}"
     )
     print("phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
     print(
@@ -553,6 +659,16 @@ def main() -> None:
         f"{r['fit']} fit in memory"
     )
     print(f"best: {r['best']}")
+    if args.check_steady and not args.no_steady:
+        full = gpt3_configs_per_second(args.quick, fit_only=args.fit_only, steady=False, verbose=False)
+        both = np.isfinite(r["step_time"]) & np.isfinite(full["step_time"])
+        rel = np.abs(r["step_time"] - full["step_time"]) / full["step_time"]
+        print(
+            f"check: full-length run {full['seconds']:.2f} s; step times agree to "
+            f"{rel[both].max(initial=0):.2e} relative ({int(both.sum())} rows), peaks to "
+            f"{np.nanmax(np.abs(r['peak'] - full['peak']) / full['peak']):.2e}, statuses "
+            f"{'identical' if np.array_equal(r['status'], full['status']) else 'DIFFER'}"
+        )
     if args.product:
         r = product_configs_per_second(args.quick)
         print(
