@@ -60,7 +60,7 @@ def step_time(config, microbatches: int) -> float:
         microbatches=microbatches,
         global_batch_size=microbatches * config.microbatch_size * config.data,
     )
-    [(_, prepared, variant, reason)] = FastEngine([c]).prepare([c])
+    [(_, prepared, variant, reason)] = FastEngine([c]).prepare([c], steady=False)
     if reason:
         raise ValueError(reason)
     program, hardware = stack_rows([(prepared, variant)], prepared.capacity, 1)

@@ -26,6 +26,12 @@ segment on stream 1, as the data-parallel transform issues them; with ZeRO the
 updates and all-gathers then run weight by weight
 (:mod:`distir_jax.transforms.coarse_segments`).
 
+A long 1F1B or interleaved pipeline is prepared as a short program whose
+steady period stands for the rest
+(:func:`~distir_jax.transforms.coarse.steady_pipeline_program`): host work
+and kernel time then stop growing with the microbatch count. Its kernel call
+extrapolates and certifies it (see :mod:`search.evaluate`).
+
 Rows the fast engine does not model (other models, sequence parallelism, MLP
 tensor parallelism with a pipeline stage that would split a column / row
 layer pair) fall back to the exact engine; the ``engine`` column says which
@@ -39,8 +45,8 @@ from collections.abc import Sequence
 from distir_jax.models import MLPConfig, TransformerConfig
 from distir_jax.transforms.coarse import (
     SplitBlockError,
-    coarse_pipeline_program,
     layer_features,
+    steady_pipeline_program,
     transform_layers_per_chunk,
     transform_step_costs,
 )
@@ -87,8 +93,16 @@ class FastEngine:
             sizes.setdefault(_measure_key(c), set()).update((c.microbatch_size, c.microbatch_size * c.data))
         self._sizes = {key: tuple(sorted(v)) for key, v in sizes.items()}
 
-    def prepare(self, group: Sequence[Config]) -> list[tuple[Config, Prepared | None, int, str]] | None:
+    def prepare(
+        self, group: Sequence[Config], *, steady: bool = True
+    ) -> list[tuple[Config, Prepared | None, int, str]] | None:
         """One structural key's coarse programs (one per hardware preset).
+
+        With ``steady``, a long 1F1B / interleaved pipeline is prepared as a
+        short program whose steady period stands for the rest
+        (:func:`~distir_jax.transforms.coarse.steady_pipeline_program`);
+        the kernel call extrapolates it, and reports rows whose period has not
+        settled, which then need ``steady=False``.
 
         Returns:
           ``(config, prepared, variant, reason)`` per row, like the exact
@@ -101,7 +115,7 @@ class FastEngine:
             if c.preset in prepared:
                 continue
             try:
-                prepared[c.preset] = self._prepare(c, group)
+                prepared[c.preset] = self._prepare(c, group, steady)
             except SplitBlockError:
                 return None
             except ValueError as err:
@@ -116,7 +130,7 @@ class FastEngine:
                 rows.append((c, program, sizes.index(c.microbatch_size), ""))
         return rows
 
-    def _prepare(self, config: Config, group: Sequence[Config]) -> tuple[Prepared, tuple]:
+    def _prepare(self, config: Config, group: Sequence[Config], steady: bool) -> tuple[Prepared, tuple]:
         key = _measure_key(config)
         sizes = self._sizes.get(key) or tuple(
             sorted({c.microbatch_size for c in group} | {c.microbatch_size * c.data for c in group})
@@ -142,7 +156,7 @@ class FastEngine:
         # The program carries only this key's own microbatch sizes as variants.
         used = sorted({sizes.index(c.microbatch_size) for c in group})
         pc = parallel_config(config)  # the transforms' reading of the row's knobs
-        program = coarse_pipeline_program(
+        program, period = steady_pipeline_program(
             features.take_variants(used),
             topology,
             pipeline=pc.pipeline,
@@ -155,8 +169,9 @@ class FastEngine:
             layers_per_chunk=layers,
             step_costs=transform_step_costs(features, layers, variants),
             overlap_segments=True,
+            steady=steady,
         )
-        return compact(program, topology), tuple(sizes[i] for i in used)
+        return compact(program, topology, period), tuple(sizes[i] for i in used)
 
 
 def _measure_key(config: Config) -> tuple:

@@ -24,6 +24,7 @@ from distir_jax.cost import COST_FEATURES
 from distir_jax.hardware import Hardware, pad_hardware
 from distir_jax.ir import Topology
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, NO_SLOT, Capacity, Program
+from distir_jax.transforms.coarse_steady import SteadyTemplate
 
 # Per-op cost features (``[N]``, or ``[S, N]`` with size variants) and per-device
 # features (``[D]`` or ``[S, D]``); the kernel never reads alloc / free bytes.
@@ -43,12 +44,16 @@ class Prepared:
       hardware: the compacted hardware, ``[D']`` devices.
       devices: ``[D']`` original device index of each compacted device.
       peak_bytes: ``[S, D']`` float64 peak bytes per device and variant.
+      steady: when ``program`` is a short steady program standing for a
+        longer one (:mod:`~distir_jax.transforms.coarse_steady`), its period;
+        ``peak_bytes`` are then the long program's already.
     """
 
     program: Program
     hardware: Hardware
     devices: np.ndarray
     peak_bytes: np.ndarray
+    steady: SteadyTemplate | None = None
 
     @property
     def num_variants(self) -> int:
@@ -65,8 +70,11 @@ class Prepared:
         return int(sum(np.asarray(x).nbytes for x in leaves))
 
 
-def compact(program: Program, topology: Topology) -> Prepared:
-    """Keeps only the devices a program uses (ops, collective links, resident data)."""
+def compact(program: Program, topology: Topology, steady: SteadyTemplate | None = None) -> Prepared:
+    """Keeps only the devices a program uses (ops, collective links, resident data).
+
+    ``steady``: the program's period, when it is a short steady program (ops keep their order).
+    """
     num_devices = topology.num_devices
     streams = program.resource_device.shape[-1] // num_devices
     resident = np.asarray(program.resident_bytes).reshape(-1, num_devices)
@@ -100,15 +108,16 @@ def compact(program: Program, topology: Topology) -> Prepared:
         launch_overhead=np.asarray(topology.launch_overhead),
     )
     peak = np.asarray(compacted.peak_bytes, np.float64).reshape(-1, len(devices))
-    return Prepared(compacted, hardware, devices, peak)
+    return Prepared(compacted, hardware, devices, peak, steady)
 
 
 def row_bytes(capacity: Capacity) -> int:
     """Estimated device bytes one row of this capacity needs in a kernel call."""
     n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
     d, r, v = capacity.num_devices, capacity.num_resources, capacity.finish_slots
-    # resource and slot_device, deps, out, link, is_comm, features
-    per_op = 8 * k + 4 * p + 4 + 8 + 1 + 4 * len(_OP_FEATURES)
+    # resource and slot_device, deps, out, link, is_comm, features, period weight,
+    # and the recorded start and finish (twice: scan output, then transposed)
+    per_op = 8 * k + 4 * p + 4 + 8 + 1 + 4 * len(_OP_FEATURES) + 4 + 16
     inputs = n * per_op + 8 * d * d + 4 * 4 * d + 4 * r
     carry = 4 * (3 * r + v + 2 * d)
     return _WORKSPACE_FACTOR * inputs + carry
@@ -184,8 +193,45 @@ def _row_fields(capacity: Capacity, num_rows: int) -> dict[str, tuple[tuple[int,
     }
 
 
+def stack_periods(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_rows: int) -> dict:
+    """The rows' steady periods, ``[num_rows, ...]`` (rows as in :func:`stack_rows`).
+
+    ``op_weight``: how many times the long program runs each op (``1 + r``
+    in the period of a steady program, else 1); ``period_before`` /
+    ``period_after``: the ops whose finishes are the clocks of the period's
+    resources before and after it (-1 past them); ``extra_periods``: ``r``
+    (0 for a program that is not steady).
+    """
+    items = list(items) + [items[0]] * (num_rows - len(items))
+    arrays = {
+        name: np.full(shape, fill, dtype)
+        for name, (shape, dtype, fill) in _period_fields(capacity, num_rows).items()
+    }
+    for row, (prepared, _) in enumerate(items):
+        steady = prepared.steady
+        if steady is None:
+            continue
+        begin, end = steady.period
+        arrays["op_weight"][row, begin:end] = 1 + steady.extra_periods
+        arrays["period_before"][row, : len(steady.before)] = steady.before
+        arrays["period_after"][row, : len(steady.after)] = steady.after
+        arrays["extra_periods"][row] = steady.extra_periods
+    return arrays
+
+
+def _period_fields(capacity: Capacity, num_rows: int) -> dict[str, tuple[tuple[int, ...], type, object]]:
+    n, r = capacity.num_ops, capacity.num_resources  # a period uses at most every resource
+    return {
+        "op_weight": ((num_rows, n), np.float32, 1.0),
+        "period_before": ((num_rows, r), np.int32, -1),
+        "period_after": ((num_rows, r), np.int32, -1),
+        "extra_periods": ((num_rows,), np.float32, 0.0),
+    }
+
+
 def row_shapes(capacity: Capacity, num_rows: int, sharding=None):
-    """:func:`stack_rows`'s output as ``jax.ShapeDtypeStruct`` leaves: compiles a call ahead of its data."""
+    """:func:`stack_rows`' and :func:`stack_periods`' outputs as ``jax.ShapeDtypeStruct``
+    leaves: compiles a call ahead of its data. Returns ``(program, hardware, periods)``."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     arrays = {name: spec(shape, dtype) for name, (shape, dtype, _) in _row_fields(capacity, num_rows).items()}
     placeholder = spec((num_rows, 1, 1), np.float32)
@@ -200,7 +246,10 @@ def row_shapes(capacity: Capacity, num_rows: int, sharding=None):
             for f in dataclasses.fields(Hardware)
         }
     )
-    return program, hardware
+    periods = {
+        name: spec(shape, dtype) for name, (shape, dtype, _) in _period_fields(capacity, num_rows).items()
+    }
+    return program, hardware, periods
 
 
 def choose_capacities(

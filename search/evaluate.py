@@ -11,7 +11,12 @@ Pipeline (one direction):
 
    * fast engine (default, :mod:`search._fast`): a coarse program (one op per
      pipeline step) filled from a cached template and one measured fine
-     block; milliseconds per key, the same numbers as the exact engine.
+     block; milliseconds per key, the same numbers as the exact engine. A
+     long 1F1B / interleaved pipeline becomes a short program whose steady
+     period stands for the rest (:mod:`~distir_jax.transforms.coarse_steady`):
+     its call extrapolates the step time and the breakdown, and certifies
+     that the period had settled (same clock shift on every resource); the
+     rows it cannot certify run their long programs afterwards.
    * exact engine (and the rows the fast engine does not model): build the
      model once with ``batch_size = np.array(<the group's batch sizes>)``,
      parallelize it with ``representative_only=True`` (one replica of each
@@ -29,8 +34,11 @@ Pipeline (one direction):
    ``"configs"`` axis; ``shard_map`` runs the kernel on each device's slice,
    with no communication).
 
-Precision: the kernel runs in float32, so step times match the float64
-reference simulator to about 1e-6 relative; peak memory comes from lowering,
+Precision: the kernel runs in float32 (under ``jax.enable_x64``, float64).
+Step times match the float64 reference simulator to about 1e-6 relative on
+programs of thousands of ops; rounding grows with a program's length (a
+400k-op GPT-3 175B pipeline run at full length in float32 was off by up to
+1.5e-3), which steady programs keep short. Peak memory comes from lowering,
 in float64, and is compared with the preset's capacity in float64.
 
 Time: with the exact engine, building and lowering the programs (Python)
@@ -68,8 +76,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
 from distir_jax.kernel import STATUS_INVALID, simulate
 from distir_jax.lower import Capacity, lower
+from distir_jax.transforms.coarse_steady import extrapolate
 from search._fast import ENGINES, FastEngine, fast_unsupported
-from search._programs import Prepared, choose_capacities, compact, row_bytes, row_shapes, stack_rows
+from search._programs import (
+    Prepared,
+    choose_capacities,
+    compact,
+    row_bytes,
+    row_shapes,
+    stack_periods,
+    stack_rows,
+)
 from search._progress import progress_bar
 from search.results import STATUS_INVALID as INVALID
 from search.results import STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
@@ -174,6 +191,15 @@ def evaluate(
             # Progress counts configurations prepared (see the module docstring's "Time").
             bar.update(1)
     batcher.flush_all()
+    while batcher.redo:  # short steady programs whose period did not settle: their long programs
+        redo, batcher.redo = batcher.redo, []
+        for group in _groups(redo):
+            for config, prepared, variant, reason in fast_engine.prepare(group, steady=False):
+                if reason:
+                    emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
+                else:
+                    batcher.add(config, prepared, variant, "fast")
+        batcher.flush_all()
     bar.close()
     table = _merge(configs, existing, rows)
     if results_path:
@@ -275,12 +301,15 @@ class _Batcher:
     kernels are ready, so compiling overlaps the preparation of later rows.
     """
 
-    def __init__(self, max_configs: int, max_bytes: int, devices: list, emit):
+    def __init__(self, max_configs: int, max_bytes: int, devices: list, emit, redo=None):
         if max_configs < 1 or max_bytes < 1:
             raise ValueError(
                 f"max_configs_per_call and max_bytes must be >= 1, got {max_configs}, {max_bytes}"
             )
         self.max_configs, self.max_bytes, self.devices, self.emit = max_configs, max_bytes, devices, emit
+        # Rows of short steady programs whose period the run did not certify
+        # (see coarse_steady): the caller simulates their long programs.
+        self.redo = [] if redo is None else redo
         self.items: dict[int, list] = {}
         self.capacity: dict[int, Capacity] = {}
         # Host bytes of the distinct programs each bucket holds: large models' programs
@@ -396,13 +425,18 @@ class _Batcher:
         """Runs queued calls in order: all of them, or while their kernels are compiled."""
         while self.queue and (wait or self.queue[0][2].future.done()):
             chunk, capacity, call, nbytes = self.queue.popleft()
-            program, hardware = stack_rows([(p, v) for _, p, v, _ in chunk], capacity, call.num_rows)
-            out = _run(call.result(), program, hardware, self.devices)
+            pairs = [(p, v) for _, p, v, _ in chunk]
+            program, hardware = stack_rows(pairs, capacity, call.num_rows)
+            periods = stack_periods(pairs, capacity, call.num_rows)
+            out = _run(call.result(), program, hardware, periods, self.devices)
             self.queued_bytes -= nbytes
+            certified = out.pop("certified")
+            self.redo.extend(c for i, (c, *_) in enumerate(chunk) if not certified[i])
             self.emit(
                 [
                     _row(c, p, v, {k: x[i] for k, x in out.items()}, engine)
                     for i, (c, p, v, engine) in enumerate(chunk)
+                    if certified[i]
                 ]
             )
 
@@ -441,10 +475,10 @@ def _local_devices(shard: bool) -> list:
     return list(jax.local_devices()) if shard else [jax.local_devices()[0]]
 
 
-def _run(compiled, program, hardware, devices) -> dict:
+def _run(compiled, program, hardware, periods, devices) -> dict:
     """One kernel call; rows are split over ``devices`` when there are several."""
-    program, hardware = jax.device_put((program, hardware), _config_sharding(tuple(devices)))
-    return {k: np.asarray(v) for k, v in compiled(program, hardware).items()}
+    inputs = jax.device_put((program, hardware, periods), _config_sharding(tuple(devices)))
+    return {k: np.asarray(v) for k, v in compiled(*inputs).items()}
 
 
 def _config_sharding(devices: tuple):
@@ -535,13 +569,23 @@ def _runner(devices: tuple):
     mesh = Mesh(np.asarray(devices), (CONFIG_AXIS,))
     # The kernel starts its scan from fresh (unvarying) zeros; per-device slices never
     # communicate, so the varying-axis check has nothing to protect here.
-    sharded = jax.shard_map(_simulate_rows, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False)
+    sharded = jax.shard_map(
+        _simulate_rows, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+    )
     return jax.jit(sharded)
 
 
-def _simulate_rows(program, hardware) -> dict:
-    """Kernel plus the compute / communication / bubble breakdown, ``[B]`` each."""
-    sim = simulate(program, hardware)
+def _simulate_rows(program, hardware, periods=None) -> dict:
+    """Kernel plus the compute / communication / bubble breakdown, ``[B]`` each.
+
+    With ``periods`` (:func:`~search._programs.stack_periods`), a short steady
+    program's row reports its long program (see
+    :mod:`~distir_jax.transforms.coarse_steady`): the step time grows by ``r``
+    times the period's clock shift, its ops count ``1 + r`` times in the
+    breakdown, and ``certified`` says whether the shift was the same on every
+    resource (rows where it was not need their long program).
+    """
+    sim = simulate(program, hardware, record_ops=periods is not None)
     num_rows, num_devices = hardware.peak_flops.shape
     dtype = sim.step_time.dtype
     slot_dev = program.slot_device  # [B, N, K]
@@ -565,23 +609,45 @@ def _simulate_rows(program, hardware) -> dict:
     compute = op_seconds(jnp, {k: zeros if k in _COMM_FEATURES else v for k, v in features.items()}, *speeds)
     comm = op_seconds(jnp, {k: v if k in _COMM_FEATURES else zeros for k, v in features.items()}, *speeds)
     rows = jnp.arange(num_rows)[:, None, None]
-    target = jnp.where(slot_ok, slot_dev, num_devices)  # out of range: dropped
 
-    def per_device(seconds):  # [B, N] per op -> [B, D], charged on each of the op's slots
+    def charge(seconds, where, size):  # [B, N] per op -> [B, size], on each of the op's slots
         charged = jnp.where(slot_ok, seconds[..., None], 0.0).astype(dtype)
-        return jnp.zeros((num_rows, num_devices), dtype).at[rows, target].add(charged, mode="drop")
+        return (
+            jnp.zeros((num_rows, size), dtype)
+            .at[rows, jnp.where(slot_ok, where, size)]
+            .add(charged, mode="drop")
+        )
 
-    compute_dev = per_device(compute)
-    comm_dev = per_device(comm)
+    step_time, busy = sim.step_time, sim.busy_time
+    certified = jnp.ones(num_rows, bool)
+    if periods is not None:
+        weight = periods["op_weight"].astype(dtype)
+        extra = periods["extra_periods"].astype(dtype)
+        step_time, certified = _extrapolate(sim, periods, extra)
+        # The period's other copies keep its resources busy r more times.
+        busy = busy + charge((compute + comm) * (weight - 1.0), program.resource, busy.shape[1])
+        compute, comm = compute * weight, comm * weight
+    compute_dev = charge(compute, slot_dev, num_devices)
+    comm_dev = charge(comm, slot_dev, num_devices)
     busy_dev = compute_dev + comm_dev
     busiest = jnp.argmax(busy_dev, axis=1)
     pick = lambda x: jnp.take_along_axis(x, busiest[:, None], axis=1)[:, 0]  # noqa: E731
     on_busiest = program.resource_device == busiest[:, None]
-    stream_busy = jnp.max(jnp.where(on_busiest, sim.busy_time, 0.0), axis=1)
+    stream_busy = jnp.max(jnp.where(on_busiest, busy, 0.0), axis=1)
     return {
-        "step_time": sim.step_time,
+        "step_time": step_time,
         "status": sim.status,
         "compute": pick(compute_dev),
         "communication": pick(comm_dev),
-        "bubble": jnp.maximum(sim.step_time - stream_busy, 0.0),
+        "bubble": jnp.maximum(step_time - stream_busy, 0.0),
+        "certified": certified,
     }
+
+
+def _extrapolate(sim, periods, extra):
+    """The long programs' step times, and whether each row's period is certified,
+    within what the kernel's float type can tell apart."""
+    # float32 clocks carry rounding of a few ulps, which the bound r * spread multiplies.
+    rtol = max(1e-9, 100 * float(jnp.finfo(sim.step_time.dtype).eps))
+    before, after = periods["period_before"], periods["period_after"]
+    return extrapolate(sim.op_finish, before, after, extra, sim.step_time, rtol, xp=jnp)

@@ -96,9 +96,9 @@ def test_one_compiled_kernel_serves_many_structural_keys(swept, monkeypatch):
     shapes = []
     run = evaluate_module._run
 
-    def spy(compiled, program, hardware, devices):
-        shapes.append(tuple(np.shape(x) for x in jax.tree_util.tree_leaves((program, hardware))))
-        return run(compiled, program, hardware, devices)
+    def spy(compiled, program, hardware, periods, devices):
+        shapes.append(tuple(np.shape(x) for x in jax.tree_util.tree_leaves((program, hardware, periods))))
+        return run(compiled, program, hardware, periods, devices)
 
     monkeypatch.setattr(evaluate_module, "_run", spy)
     evaluate(subset, progress=False)

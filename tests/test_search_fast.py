@@ -1,5 +1,7 @@
 """The fast engine (coarse programs generated as arrays) against the reference simulator on fine programs."""
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from distir_jax.models import MLPConfig, TransformerConfig, get_model_config  # 
 from distir_jax.presets import get_preset  # noqa: E402
 from distir_jax.transforms.coarse import layer_features  # noqa: E402
 from search import StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
-from search._fast import fast_unsupported  # noqa: E402
+from search._fast import FastEngine, fast_unsupported  # noqa: E402
 
 TINY_GPT = TransformerConfig(num_layers=4, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
 SPACES = (
@@ -48,7 +50,12 @@ def test_fast_rows_match_the_reference_simulator_on_fine_programs(swept):
     configs, table = swept
     fast = np.flatnonzero(table["engine"] == "fast")
     assert len(fast) >= 200
-    for i in np.random.default_rng(0).choice(fast, size=200, replace=False):
+    sample = np.random.default_rng(0).choice(fast, size=200, replace=False)
+    # Some of them ran as short steady programs, their step times extrapolated.
+    engine = FastEngine([configs[i] for i in sample])
+    steady = [i for i in sample if engine.prepare([configs[i]])[0][1].steady is not None]
+    assert len(steady) >= 5
+    for i in sample:
         fn, topology = build_function(configs[i])  # what the exact engine simulates
         reference = reference_simulate(fn, topology)
         np.testing.assert_allclose(
@@ -60,6 +67,70 @@ def test_fast_rows_match_the_reference_simulator_on_fine_programs(swept):
             rtol=1e-9,
             err_msg=str(configs[i]),
         )
+
+
+def test_long_pipelines_run_short_with_the_reference_simulators_results():
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(4, 8),
+        global_batch_sizes=(32,),
+        microbatches=(8, 16),
+        schedules=("1f1b", "interleaved"),
+        recompute=("none", "full"),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and not fast_unsupported(c)]
+    engine = FastEngine(configs)
+    steady = [c for c in configs if engine.prepare([c])[0][1].steady is not None]
+    assert len(steady) >= 40 and {c.schedule for c in steady} == {"1f1b", "interleaved"}
+    sample = [steady[i] for i in np.random.default_rng(1).choice(len(steady), size=24, replace=False)]
+    fast = evaluate(sample, progress=False, engine="fast")
+    exact = evaluate(sample, progress=False, engine="exact")
+    assert fast["status"].tolist() == exact["status"].tolist()
+    for i, config in enumerate(sample):
+        fn, topology = build_function(config)
+        reference = reference_simulate(fn, topology)
+        np.testing.assert_allclose(
+            fast["step_time_s"][i], reference.step_time, rtol=1e-5, err_msg=str(config)
+        )
+        peak = max(reference.peak_memory.values())
+        np.testing.assert_allclose(fast["peak_memory_bytes"][i], peak, rtol=1e-9, err_msg=str(config))
+    for name in ("compute_time_s", "communication_time_s", "bubble_time_s"):
+        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-4, atol=1e-9, err_msg=name)
+    assert (fast["simulated_ops"] * 2 < exact["simulated_ops"]).all()
+
+
+def test_rows_whose_period_is_not_certified_run_their_long_programs(monkeypatch):
+    evaluate_module = importlib.import_module("search.evaluate")
+    space = StrategySpace(
+        model=TINY_GPT, world_sizes=(4,), global_batch_sizes=(32,), microbatches=(16,), schedules=("1f1b",)
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and c.pipeline > 1]
+    want = evaluate(configs, progress=False, engine="exact")
+    extrapolate = evaluate_module._extrapolate
+    # Every period fails its certificate (in kernels traced here, then forgotten).
+    monkeypatch.setattr(evaluate_module, "_extrapolate", lambda *a: (extrapolate(*a)[0], a[2] == 0))
+    monkeypatch.setattr(evaluate_module, "_COMPILED", {})
+    long = []
+    prepare = FastEngine.prepare
+
+    def spy(self, group, *, steady=True):
+        long.extend(group if not steady else [])
+        return prepare(self, group, steady=steady)
+
+    monkeypatch.setattr(FastEngine, "prepare", spy)
+    evaluate_module._runner.cache_clear()
+    try:
+        got = evaluate(configs, progress=False, engine="fast")
+    finally:
+        evaluate_module._runner.cache_clear()
+    assert len(long) == len(configs)  # each one redone at its full length
+    assert set(got["engine"].tolist()) == {"fast"}
+    np.testing.assert_allclose(got["step_time_s"], want["step_time_s"], rtol=1e-5)
+    np.testing.assert_allclose(got["peak_memory_bytes"], want["peak_memory_bytes"], rtol=1e-9)
+    assert got["status"].tolist() == want["status"].tolist()
 
 
 def test_fast_and_exact_tables_agree(swept):
