@@ -19,15 +19,22 @@ features are expanded from the templates inside the jitted call).
     python benchmarks/sweep_gpt3.py            # the whole space
     python benchmarks/sweep_gpt3.py --quick    # a deterministic subsample, < 40 s
     python benchmarks/sweep_gpt3.py --fit-only # timelines only where memory fits
+    python benchmarks/sweep_gpt3.py --quick --check-steady  # also at full length, compared
+    python benchmarks/sweep_gpt3.py --no-steady             # every pipeline at full length
 
 The space has 10,458 configurations (1,306 structural keys): the tensor degree
 must divide the 96 heads (t <= 32), interleaving needs the microbatch count to
 be a multiple of p, and p = 64 (which does not divide 96 layers) gets uneven
 stages and no interleaving. A program has ``~4 k v p`` ops, up to ~4e5 for
-1024 microbatches of one sample, ~1.1e8 in all. Where the time goes on a 2-core
-CPU: the kernel (a scan step costs ~1 us plus ~0.1-0.25 us per configuration
-in the call), its compilation (one per op capacity, ~2 s each), and building
-the ~1000 templates on the host (overlapped with the kernel: calls are
+1024 microbatches of one sample, ~1.1e8 in all. A long pipeline is simulated
+as a short one (``p + 2`` microbatches for 1F1B, ``5p`` interleaved) whose
+steady period stands for the rest (:mod:`distir_jax.transforms.coarse_steady`),
+where that at least halves it: ~2.6e7 ops in all. The kernel runs in float64
+here, so the period's certificate (every resource's clock moves by the same
+amount) holds to ~1e-12; a row that fails it is simulated at full length.
+Where the time goes on a 2-core CPU: compiling the kernel (~3-4 s per op
+capacity, a few capacities), the kernel (~2.5e-7 s per op-row), and the
+host building templates and tables (overlapped with the kernel: calls are
 asynchronous).
 """
 
@@ -153,7 +160,7 @@ def _template_arrays(template, n_cap: int, steady=None) -> dict:
 
     With ``steady`` (a :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`
     of ``template``), also its period: the ops whose finishes are each
-    resource's clock before and after it, and each memory event's part.
+    resource's clock before and after it (finish slots), and each memory event's part.
     """
     n = template.num_ops
     cost_row, memory_row = template.rows
@@ -271,11 +278,11 @@ def _simulate_call(tmpl, rows, hardware, num_slots):
             for i, name in enumerate(COST_FEATURES)
         },
     )
-    result = simulate(program, hardware, record_ops=True)
+    result = simulate(program, hardware)
     # Steady rows: the long program's time from the clocks around the period.
     before, after = tmpl["period_before"][rows["tid"]], tmpl["period_after"][rows["tid"]]
     step_time, certified = extrapolate(
-        result.op_finish, before, after, rows["periods"], result.step_time, _STEADY_RTOL, xp=jnp
+        result.finish_slots, before, after, rows["periods"], result.step_time, _STEADY_RTOL, xp=jnp
     )
     return step_time, result.status, stage_peak.max(axis=1), certified
 
@@ -481,8 +488,13 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     peak = np.full(len(configs), np.nan)
     capacity = float(topology.memory_capacity.max())
 
-    def sizes(ids):
-        return [template_size(*template_of[i][:3], template_of[i][4]) for i in ids]
+    def sizes(ids):  # (ops, finish slots) of each configuration's kernel template
+        return [
+            (short[key].template.num_ops, short[key].template.num_slots)
+            if key in short
+            else template_size(*key[:3], key[4])
+            for key in (template_of[i] for i in ids)
+        ]
 
     def calls_for(ids, caps=None):
         size = dict(zip(ids, (n for n, _ in sizes(ids)), strict=True))

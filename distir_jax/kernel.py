@@ -45,6 +45,10 @@ class SimResult(NamedTuple):
       status: ``[B]`` STATUS_OK, STATUS_OUT_OF_MEMORY or STATUS_INVALID.
       op_start: ``[B, N]`` start time of every op, if recorded, else None.
       op_finish: ``[B, N]`` finish time of every op, if recorded, else None.
+      finish_slots: ``[B, V]`` the finish-time slots at the end: each slot
+        holds the finish of the last op that wrote it (a program may give
+        ops slots nobody reads, to learn when they finished without
+        recording every op).
     """
 
     step_time: jax.Array
@@ -53,6 +57,7 @@ class SimResult(NamedTuple):
     status: jax.Array
     op_start: jax.Array | None = None
     op_finish: jax.Array | None = None
+    finish_slots: jax.Array | None = None
 
 
 class _Carry(NamedTuple):
@@ -308,4 +313,4 @@ def simulate(
     op_start = op_finish = None
     if record_ops:
         op_start, op_finish = per_op[0].T, per_op[1].T
-    return SimResult(step_time, peak.T, final.busy.T, status, op_start, op_finish)
+    return SimResult(step_time, peak.T, final.busy.T, status, op_start, op_finish, final.finish.T)

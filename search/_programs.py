@@ -115,9 +115,8 @@ def row_bytes(capacity: Capacity) -> int:
     """Estimated device bytes one row of this capacity needs in a kernel call."""
     n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
     d, r, v = capacity.num_devices, capacity.num_resources, capacity.finish_slots
-    # resource and slot_device, deps, out, link, is_comm, features, period weight,
-    # and the recorded start and finish (twice: scan output, then transposed)
-    per_op = 8 * k + 4 * p + 4 + 8 + 1 + 4 * len(_OP_FEATURES) + 4 + 16
+    # resource and slot_device, deps, out, link, is_comm, features, period weight
+    per_op = 8 * k + 4 * p + 4 + 8 + 1 + 4 * len(_OP_FEATURES) + 4
     inputs = n * per_op + 8 * d * d + 4 * 4 * d + 4 * r
     carry = 4 * (3 * r + v + 2 * d)
     return _WORKSPACE_FACTOR * inputs + carry
@@ -198,7 +197,7 @@ def stack_periods(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num
 
     ``op_weight``: how many times the long program runs each op (``1 + r``
     in the period of a steady program, else 1); ``period_before`` /
-    ``period_after``: the ops whose finishes are the clocks of the period's
+    ``period_after``: the finish slots that hold the clocks of the period's
     resources before and after it (-1 past them); ``extra_periods``: ``r``
     (0 for a program that is not steady).
     """

@@ -585,7 +585,7 @@ def _simulate_rows(program, hardware, periods=None) -> dict:
     breakdown, and ``certified`` says whether the shift was the same on every
     resource (rows where it was not need their long program).
     """
-    sim = simulate(program, hardware, record_ops=periods is not None)
+    sim = simulate(program, hardware)
     num_rows, num_devices = hardware.peak_flops.shape
     dtype = sim.step_time.dtype
     slot_dev = program.slot_device  # [B, N, K]
@@ -650,4 +650,4 @@ def _extrapolate(sim, periods, extra):
     # float32 clocks carry rounding of a few ulps, which the bound r * spread multiplies.
     rtol = max(1e-9, 100 * float(jnp.finfo(sim.step_time.dtype).eps))
     before, after = periods["period_before"], periods["period_after"]
-    return extrapolate(sim.op_finish, before, after, extra, sim.step_time, rtol, xp=jnp)
+    return extrapolate(sim.finish_slots, before, after, extra, sim.step_time, rtol, xp=jnp)

@@ -10,7 +10,7 @@ template is ``A Q^(1+r) Z`` where the template with ``r`` fewer periods is
   to that start plus its duration. Adding ``c >= 0`` to every input of an op
   adds ``c`` to its start and finish.
 * If running ``Q`` after ``A`` moves every clock that ``Q`` touches by the
-  same ``lam`` (the *certificate*, read from the short run's op finishes by
+  same ``lam`` (the *certificate*, read from the short run's finish slots by
   :func:`extrapolate`),
   each further copy of ``Q`` moves them by ``lam`` again, and ``Z`` then runs
   ``r * lam`` later than in the short program, all of it. So the long step
@@ -67,14 +67,17 @@ class SteadyTemplate:
     """A short template whose one period stands for ``extra_periods + 1`` copies.
 
     Attributes:
-      template: the short template ``A Q Z``.
+      template: the short template ``A Q Z``. Besides its own finish slots,
+        it gives the ops of ``before`` and ``after`` slots that nothing
+        reads, so a run's final slots (``SimResult.finish_slots``) hold
+        their finish times.
       microbatches: ``k`` of the long program it stands for.
       extra_periods: ``r``, the copies of ``Q`` the long program has beyond the short one's.
       period: ``(begin, end)`` op range of ``Q`` in ``template``.
       before, after: ``[R]`` per resource (``stage * 2 + stream``) that ``Q``
-        uses: the last op on it before ``Q`` (-1: none, clock 0) and the last
-        op on it within ``Q``. Their finish times are the resource's clock
-        before and after the period.
+        uses: the finish slot of the last op on it before ``Q`` (-1: none,
+        clock 0) and of the last op on it within ``Q``, that is, the
+        resource's clock before and after the period.
       resources: ``[R]`` those resources.
       event_part: ``[E]`` for each memory event of ``template.stage_events``,
         0 if its op is in ``A``, 1 in ``Q``, 2 in ``Z``.
@@ -237,13 +240,20 @@ def _short(p, short_k, v, schedule, mode, costs, segments, updates) -> SteadyTem
     in_period = res[begin:end]
     resources = np.unique(in_period[in_period >= 0])
     op = short.stage_events[0] // 2
+    before, after = _last_op_on(res, resources, 0, begin), _last_op_on(res, resources, begin, end)
+    # Slots nobody reads for the ops whose finishes are the clocks (A and Q write no other slots).
+    marked = np.unique(np.concatenate([before[before >= 0], after]))
+    slot = np.full(short.num_ops, -1, np.int64)
+    slot[marked] = short.num_slots + np.arange(len(marked))
+    out_slot = short.out_slot.copy()
+    out_slot[marked] = slot[marked]
     return SteadyTemplate(
-        template=short,
+        template=dataclasses.replace(short, out_slot=out_slot, num_slots=short.num_slots + len(marked)),
         microbatches=short_k,
         extra_periods=0,
         period=(begin, end),
-        before=_last_op_on(res, resources, 0, begin),
-        after=_last_op_on(res, resources, begin, end),
+        before=np.where(before >= 0, slot[np.maximum(before, 0)], -1),
+        after=slot[after],
         resources=resources,
         event_part=(op >= begin).astype(np.int8) + (op >= end),
     )
@@ -260,13 +270,13 @@ def worth_it(pipeline: int, microbatches: int, virtual_stages: int, schedule: st
     )
 
 
-def extrapolate(op_finish, before, after, extra_periods, step_time, rtol, xp=np):
+def extrapolate(finish_slots, before, after, extra_periods, step_time, rtol, xp=np):
     """The long programs' step times from short runs, and whether each is certified.
 
     Written once for NumPy and ``jax.numpy`` (``xp``), like the cost model.
 
     Args:
-      op_finish: ``[B, N]`` op finish times of the short runs (``SimResult.op_finish``).
+      finish_slots: ``[B, V]`` the short runs' final finish slots (``SimResult.finish_slots``).
       before, after: ``[B, R]`` or ``[R]``: :attr:`SteadyTemplate.before` /
         ``after``, -1 past a row's resources.
       extra_periods: ``[B]`` ``r`` (0: the row is no steady program; it is certified).
@@ -279,7 +289,7 @@ def extrapolate(op_finish, before, after, extra_periods, step_time, rtol, xp=np)
       period's clock shift, and ``[B]`` bools; a row that is not certified
       needs its long program.
     """
-    finish = xp.asarray(op_finish)
+    finish = xp.asarray(finish_slots)
     shape = (finish.shape[0], xp.shape(before)[-1])
     before, after = xp.broadcast_to(before, shape), xp.broadcast_to(after, shape)
     clock_before = xp.where(before >= 0, xp.take_along_axis(finish, xp.maximum(before, 0), axis=1), 0.0)
