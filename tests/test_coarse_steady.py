@@ -17,6 +17,7 @@ from distir_jax.hardware import Hardware
 from distir_jax.kernel import simulate
 from distir_jax.models import TransformerConfig
 from distir_jax.presets import get_preset
+from distir_jax.transforms import coarse_program, coarse_steady
 from distir_jax.transforms.coarse import (
     balanced_layers,
     coarse_pipeline_program,
@@ -41,6 +42,12 @@ PIPELINES = [
     ("interleaved", 4, 2),
     ("interleaved", 2, 4),
 ]
+
+
+@pytest.fixture(autouse=True)
+def steady_wherever_it_applies(monkeypatch):
+    """Short programs even where they would save little (sweeps skip those)."""
+    monkeypatch.setattr(coarse_program, "worth_it", lambda *args: True)
 
 
 @functools.cache
@@ -69,11 +76,15 @@ def test_long_templates_are_the_short_one_with_the_period_repeated(schedule, p, 
     assert found >= 4
 
 
-def test_no_steady_template_where_none_applies():
+def test_no_steady_template_where_none_applies(monkeypatch):
     assert steady_template(4, 64, 1, "gpipe") is None  # GPipe's warm-up grows with k
     assert steady_template(1, 64, 1, "1f1b") is None  # no pipeline
     assert steady_template(4, 6, 1, "1f1b") is None  # not longer than the short one
+    # Worth it: long enough to matter, and longer than the two short templates that find the period.
+    assert worth_it(8, 512, 1, "1f1b", "none") and not worth_it(4, 64, 1, "1f1b", "none")
+    monkeypatch.setattr(coarse_steady, "MIN_LONG_OPS", 0)
     assert worth_it(4, 64, 1, "1f1b", "none") and not worth_it(4, 8, 1, "1f1b", "none")
+    assert not worth_it(4, 64, 1, "gpipe", "none")
 
 
 def test_find_period():

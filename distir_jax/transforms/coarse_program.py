@@ -32,7 +32,7 @@ from distir_jax.ir.topology import Topology
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, Program
 from distir_jax.transforms.coarse_features import LayerFeatures
 from distir_jax.transforms.coarse_pipeline import PipelineTemplate, data_mode, pipeline_template
-from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_peak_bytes, steady_template
+from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_peak_bytes, steady_template, worth_it
 
 __all__ = [
     "ChunkTables",
@@ -674,15 +674,17 @@ def steady_pipeline_program(
 
     With ``steady``, a long 1F1B / interleaved pipeline becomes the short
     program of :func:`~distir_jax.transforms.coarse_steady.steady_template`
-    (whose period stands for the rest) with the long program's tables:
-    resident tokens of all ``microbatches`` and the long program's peak
-    memory. Its step time is the long one's only once a run certifies the
+    (whose period stands for the rest) where that saves work
+    (:func:`~distir_jax.transforms.coarse_steady.worth_it`), with the long
+    program's tables: resident tokens of all ``microbatches`` and the long
+    program's peak memory. Its step time is the long one's only once a run certifies the
     period (:func:`~distir_jax.transforms.coarse_steady.extrapolate`).
 
     Args:
       features, topology, kwargs: as :func:`coarse_pipeline_program` takes them.
       steady: allow the short program.
-      short_microbatches: passed to :func:`~distir_jax.transforms.coarse_steady.steady_template`.
+      short_microbatches: passed to :func:`~distir_jax.transforms.coarse_steady.steady_template`
+        (then the short program is used wherever it applies).
 
     Returns:
       ``(program, steady_template)``: the short program and its
@@ -725,7 +727,9 @@ def _pipeline_program(
     segments = overlap_segments and mode.startswith("overlap")
     flags, updates = segment_plan(features, layers, mode == "overlap_zero") if segments else (None, None)
     structure = (p, int(microbatches), v, schedule, mode, step_costs, flags, updates)
-    short = steady_template(*structure, short_microbatches=short_microbatches) if steady else None
+    short = None
+    if steady and (short_microbatches is not None or worth_it(p, int(microbatches), v, schedule, mode)):
+        short = steady_template(*structure, short_microbatches=short_microbatches)
     template = pipeline_template(*structure) if short is None else short.template
     tables = chunk_tables(
         features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode, segments=segments

@@ -54,6 +54,7 @@ import numpy as np
 from distir_jax.transforms.coarse_pipeline import PipelineTemplate, pipeline_template, template_size
 
 __all__ = [
+    "MIN_LONG_OPS",
     "SteadyTemplate",
     "extrapolate",
     "steady_peak_bytes",
@@ -259,15 +260,22 @@ def _short(p, short_k, v, schedule, mode, costs, segments, updates) -> SteadyTem
     )
 
 
+# Long programs shorter than this are simulated as they are: the kernel runs
+# them fast, and finding a period costs building two short templates.
+MIN_LONG_OPS = 4096
+
+
 def worth_it(pipeline: int, microbatches: int, virtual_stages: int, schedule: str, mode: str) -> bool:
-    """Whether a steady template would be much shorter than the long one (a cheap test first)."""
+    """Whether a steady template saves work: the long program has at least
+    ``MIN_LONG_OPS`` ops and more than the two short templates that find its
+    period (sizes from :func:`~distir_jax.transforms.coarse_pipeline.template_size`)."""
     if schedule not in ("1f1b", "interleaved") or pipeline < 2:
         return False
-    short_k = _short_candidates(schedule, pipeline)[0] + _microbatch_period(schedule, pipeline)
-    return (
-        2 * template_size(pipeline, short_k, virtual_stages, mode)[0]
-        <= template_size(pipeline, microbatches, virtual_stages, mode)[0]
-    )
+    short_k = _short_candidates(schedule, pipeline)[0]
+    step = _microbatch_period(schedule, pipeline)
+    size = lambda k: template_size(pipeline, k, virtual_stages, mode)[0]  # noqa: E731
+    long = size(microbatches)
+    return long >= MIN_LONG_OPS and size(short_k) + size(short_k + step) <= long
 
 
 def extrapolate(finish_slots, before, after, extra_periods, step_time, rtol, xp=np):
