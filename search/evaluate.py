@@ -318,12 +318,14 @@ class _Batcher:
         self.held_bytes = 0
         self.queue: collections.deque = collections.deque()  # (chunk, capacity, call, bytes)
         self.queued_bytes = 0
+        self.steady: dict[int, bool] = {}  # whether a bucket holds short steady programs
 
     def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
         cap = prepared.capacity.bucketed()
         key = cap.num_ops
         self.capacity[key] = cap if key not in self.items else self.capacity[key].union(cap)
         self.items.setdefault(key, []).append((config, prepared, variant, engine))
+        self.steady[key] = self.steady.get(key, False) or prepared.steady is not None
         held = self.held.setdefault(key, {})
         if id(prepared) not in held:
             held[id(prepared)] = prepared.nbytes
@@ -335,7 +337,7 @@ class _Batcher:
         elif len(self.items[key]) == (limit + 1) // 2:
             # Half full: compile its full call's kernel ahead (on an otherwise idle
             # core while this thread prepares rows); a last partial call reuses it.
-            _compiled_call(self.capacity[key], limit, self.devices)
+            _compiled_call(self.capacity[key], limit, self.devices, self.steady[key])
         if self.held_bytes + self.queued_bytes > bound:
             self._run_queued(wait=True)
             if self.held_bytes > bound:
@@ -347,6 +349,7 @@ class _Batcher:
         plan = self._plan()
         self.items.clear()
         self.capacity.clear()
+        self.steady.clear()
         self.held.clear()
         self.held_bytes = 0
         for capacity, items in plan:
@@ -373,6 +376,7 @@ class _Batcher:
             compiled=_compiled_op_capacities(
                 functools.reduce(Capacity.union, (item[1].capacity.bucketed() for item in pending)),
                 self.devices,
+                _any_steady(pending),
             ),
         )
         capacity: dict[int, Capacity] = {}
@@ -382,7 +386,10 @@ class _Batcher:
             bucketed = dataclasses.replace(item[1].capacity.bucketed(), num_ops=cap)
             capacity[cap] = capacity[cap].union(bucketed) if cap in capacity else bucketed
             items.setdefault(cap, []).append(item)
-        return [(_compiled_cover(capacity[cap], self.devices), items[cap]) for cap in sorted(items)]
+        return [
+            (_compiled_cover(capacity[cap], self.devices, _any_steady(items[cap])), items[cap])
+            for cap in sorted(items)
+        ]
 
     def _limit(self, capacity: Capacity) -> int:
         n = len(self.devices)
@@ -397,7 +404,9 @@ class _Batcher:
         num_rows = min(self._limit(capacity), max(_MIN_ROWS, 1 << (len(chunk) - 1).bit_length()))
         num_rows = -(-num_rows // n) * n
         # A larger call of this capacity compiled already: padding rows may cost less than a compile.
-        larger = [r for r in _compiled_row_counts(capacity, self.devices) if r >= num_rows]
+        larger = [
+            r for r in _compiled_row_counts(capacity, self.devices, _any_steady(chunk)) if r >= num_rows
+        ]
         if (
             larger
             and (min(larger) - num_rows) * capacity.num_ops * _SECONDS_PER_OP_ROW < _SECONDS_PER_COMPILE
@@ -407,6 +416,7 @@ class _Batcher:
 
     def _flush(self, key: int, wait: bool = False) -> None:
         items, capacity = self.items.pop(key), self.capacity.pop(key)
+        self.steady.pop(key, None)
         self.held_bytes -= sum(self.held.pop(key, {}).values())
         self._queue(items, capacity)
         self._run_queued(wait)
@@ -416,7 +426,7 @@ class _Batcher:
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]
-            call = _compiled_call(capacity, self._num_rows(chunk, capacity), self.devices)
+            call = _compiled_call(capacity, self._num_rows(chunk, capacity), self.devices, _any_steady(chunk))
             nbytes = sum({id(p): p.nbytes for _, p, _, _ in chunk}.values())
             self.queue.append((chunk, capacity, call, nbytes))
             self.queued_bytes += nbytes
@@ -427,10 +437,10 @@ class _Batcher:
             chunk, capacity, call, nbytes = self.queue.popleft()
             pairs = [(p, v) for _, p, v, _ in chunk]
             program, hardware = stack_rows(pairs, capacity, call.num_rows)
-            periods = stack_periods(pairs, capacity, call.num_rows)
+            periods = stack_periods(pairs, capacity, call.num_rows) if _any_steady(chunk) else None
             out = _run(call.result(), program, hardware, periods, self.devices)
             self.queued_bytes -= nbytes
-            certified = out.pop("certified")
+            certified = out.pop("certified", np.ones(call.num_rows, bool))
             self.redo.extend(c for i, (c, *_) in enumerate(chunk) if not certified[i])
             self.emit(
                 [
@@ -476,8 +486,10 @@ def _local_devices(shard: bool) -> list:
 
 
 def _run(compiled, program, hardware, periods, devices) -> dict:
-    """One kernel call; rows are split over ``devices`` when there are several."""
-    inputs = jax.device_put((program, hardware, periods), _config_sharding(tuple(devices)))
+    """One kernel call (``periods``: None for a call without steady programs); rows
+    are split over ``devices`` when there are several."""
+    inputs = (program, hardware) if periods is None else (program, hardware, periods)
+    inputs = jax.device_put(inputs, _config_sharding(tuple(devices)))
     return {k: np.asarray(v) for k, v in compiled(*inputs).items()}
 
 
@@ -508,26 +520,28 @@ _COMPILER = concurrent.futures.ThreadPoolExecutor(
 _COMPILED: dict[tuple, concurrent.futures.Future] = {}
 
 
-def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
-    """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new."""
-    key = (_target(devices), capacity, num_rows)
+def _compiled_call(capacity: Capacity, num_rows: int, devices: list, steady: bool) -> _Call:
+    """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new
+    (``steady``: the variant that extrapolates short steady programs)."""
+    key = (_target(devices, steady), capacity, num_rows)
     future = _COMPILED.get(key)
     if future is None or (future.done() and future.exception() is not None):  # retry failures
         x64 = key[0][1]  # the caller's setting: a `with jax.enable_x64()` does not reach other threads
-        future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows, x64)
+        future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows, x64, steady)
     return _Call(num_rows, future)
 
 
-def _compiled_op_capacities(pending: Capacity, devices: list) -> set[int]:
+def _compiled_op_capacities(pending: Capacity, devices: list, steady: bool) -> set[int]:
     """Op capacities compiled (or compiling) for ``devices`` whose other sizes hold ``pending``'s.
 
     Only these surely save a compile when a call of ``pending`` rows picks them.
     """
     others = dataclasses.replace(pending, num_ops=0)
-    return {key[1].num_ops for key in _COMPILED if key[0] == _target(devices) and _holds(key[1], others)}
+    target = _target(devices, steady)
+    return {key[1].num_ops for key in _COMPILED if key[0] == target and _holds(key[1], others)}
 
 
-def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
+def _compiled_cover(capacity: Capacity, devices: list, steady: bool) -> Capacity:
     """A compiled capacity of the same op count that holds ``capacity``, else ``capacity``.
 
     Padding a call to a compiled kernel's device and slot counts costs less than a compile.
@@ -535,43 +549,52 @@ def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
     covers = [
         key[1]
         for key in _COMPILED
-        if key[0] == _target(devices) and key[1].num_ops == capacity.num_ops and _holds(key[1], capacity)
+        if key[0] == _target(devices, steady)
+        and key[1].num_ops == capacity.num_ops
+        and _holds(key[1], capacity)
     ]
     return min(covers, key=Capacity.sizes, default=capacity)
 
 
-def _target(devices: list) -> tuple:
-    """What a compiled kernel depends on besides its shapes: the devices, and whether jax
-    computes in float64 (the kernel's float type follows ``jax_enable_x64`` when traced)."""
-    return tuple(devices), bool(jax.config.jax_enable_x64)
+def _target(devices: list, steady: bool) -> tuple:
+    """What a compiled kernel depends on besides its shapes: the devices, whether jax
+    computes in float64 (the kernel's float type follows ``jax_enable_x64`` when traced),
+    and whether it extrapolates steady programs."""
+    return tuple(devices), bool(jax.config.jax_enable_x64), bool(steady)
 
 
 def _holds(outer: Capacity, inner: Capacity) -> bool:
     return all(a >= b for a, b in zip(outer.sizes(), inner.sizes(), strict=True))
 
 
-def _compiled_row_counts(capacity: Capacity, devices: list) -> list[int]:
+def _compiled_row_counts(capacity: Capacity, devices: list, steady: bool) -> list[int]:
     """Row counts with a kernel compiled (or compiling) for ``capacity`` on ``devices``."""
-    return [key[2] for key in _COMPILED if key[:2] == (_target(devices), capacity)]
+    return [key[2] for key in _COMPILED if key[:2] == (_target(devices, steady), capacity)]
 
 
-def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool):
+def _any_steady(items) -> bool:
+    """Whether any of ``(config, prepared, variant, engine)`` items is a short steady program:
+    its call needs the kernel variant that extrapolates (the other compiles faster)."""
+    return any(item[1].steady is not None for item in items)
+
+
+def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool, steady: bool):
     with jax.enable_x64(x64):
-        shapes = row_shapes(capacity, num_rows, _config_sharding(devices))
-        return _runner(devices).lower(*shapes).compile()
+        program, hardware, periods = row_shapes(capacity, num_rows, _config_sharding(devices))
+        shapes = (program, hardware, periods) if steady else (program, hardware)
+        return _runner(devices, steady).lower(*shapes).compile()
 
 
 @functools.cache
-def _runner(devices: tuple):
+def _runner(devices: tuple, steady: bool):
     if len(devices) == 1:
         return jax.jit(_simulate_rows)
     spec = PartitionSpec(CONFIG_AXIS)
     mesh = Mesh(np.asarray(devices), (CONFIG_AXIS,))
     # The kernel starts its scan from fresh (unvarying) zeros; per-device slices never
     # communicate, so the varying-axis check has nothing to protect here.
-    sharded = jax.shard_map(
-        _simulate_rows, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
-    )
+    specs = (spec, spec, spec) if steady else (spec, spec)
+    sharded = jax.shard_map(_simulate_rows, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)
     return jax.jit(sharded)
 
 

@@ -169,10 +169,16 @@ def _assert_same_numbers(a: ResultTable, b: ResultTable) -> None:
 
 SHARDING_SCRIPT = textwrap.dedent("""
     import jax
-    from search import StrategySpace, evaluate
+    from distir_jax.transforms import coarse_steady
+    from search import StrategySpace, enumerate_configs, evaluate
+    from search._fast import FastEngine
     assert len(jax.local_devices()) == 4, jax.local_devices()
+    coarse_steady.MIN_LONG_OPS = 0  # short steady programs for the long pipelines here too
     space = StrategySpace(model="mlp-xs", world_sizes=(1, 2, 4), global_batch_sizes=(16, 64),
-                          tensor=(1,), microbatches=(2, 4))
+                          tensor=(1,), microbatches=(2, 4, 16))
+    configs = [c for c in enumerate_configs(space) if c.valid]
+    steady = [c for c in configs if FastEngine([c]).prepare([c])[0][1].steady is not None]
+    assert len(steady) >= 4, len(steady)
     sharded = evaluate(space, progress=False, shard=True)
     unsharded = evaluate(space, progress=False, shard=False)
     assert len(sharded) > 10 and sharded == unsharded, "sharded and unsharded tables differ"
@@ -238,22 +244,25 @@ def test_only_compiled_kernels_that_hold_the_rows_count_as_free(monkeypatch):
         return Capacity(num_ops, 2, 1, 64, num_devices, 2 * num_devices)
 
     devices = [jax.local_devices()[0]]
-    target = evaluate_module._target(devices)
+    target = evaluate_module._target(devices, False)
     fake = {(target, cap(4096, 8), 32): None, (target, cap(8192, 16), 32): None}
     monkeypatch.setattr(evaluate_module, "_COMPILED", fake)
     # Rows on 16 devices cannot run in the 8-device kernel: only 8192 is free for them.
-    assert evaluate_module._compiled_op_capacities(cap(1000, 16), devices) == {8192}
-    assert evaluate_module._compiled_op_capacities(cap(1000, 4), devices) == {4096, 8192}
-    assert evaluate_module._compiled_cover(cap(4096, 4), devices) == cap(4096, 8)
-    assert evaluate_module._compiled_cover(cap(4096, 16), devices) == cap(4096, 16)  # none holds it
+    assert evaluate_module._compiled_op_capacities(cap(1000, 16), devices, False) == {8192}
+    assert evaluate_module._compiled_op_capacities(cap(1000, 4), devices, False) == {4096, 8192}
+    assert evaluate_module._compiled_cover(cap(4096, 4), devices, False) == cap(4096, 8)
+    assert evaluate_module._compiled_cover(cap(4096, 16), devices, False) == cap(4096, 16)  # none holds it
+    # Steady programs need the kernel variant that extrapolates them: none is compiled.
+    assert evaluate_module._compiled_op_capacities(cap(1000, 4), devices, True) == set()
+    assert evaluate_module._compiled_cover(cap(4096, 4), devices, True) == cap(4096, 4)
 
 
 def test_compiled_kernels_are_kept_apart_by_float_width():
     devices = [jax.local_devices()[0]]
     with jax.enable_x64(False):
-        narrow = evaluate_module._target(devices)
+        narrow = evaluate_module._target(devices, False)
     with jax.enable_x64(True):  # as tests/test_kernel.py switches it
-        assert evaluate_module._target(devices) != narrow  # a float32 kernel is not reused under x64
+        assert evaluate_module._target(devices, False) != narrow  # a float32 kernel is not reused under x64
 
 
 def test_a_sweep_under_x64_compiles_its_kernel_for_x64():
