@@ -301,7 +301,7 @@ class _Batcher:
     kernels are ready, so compiling overlaps the preparation of later rows.
     """
 
-    def __init__(self, max_configs: int, max_bytes: int, devices: list, emit, redo=None):
+    def __init__(self, max_configs: int, max_bytes: int, devices: list, emit):
         if max_configs < 1 or max_bytes < 1:
             raise ValueError(
                 f"max_configs_per_call and max_bytes must be >= 1, got {max_configs}, {max_bytes}"
@@ -309,7 +309,7 @@ class _Batcher:
         self.max_configs, self.max_bytes, self.devices, self.emit = max_configs, max_bytes, devices, emit
         # Rows of short steady programs whose period the run did not certify
         # (see coarse_steady): the caller simulates their long programs.
-        self.redo = [] if redo is None else redo
+        self.redo: list[Config] = []
         self.items: dict[int, list] = {}
         self.capacity: dict[int, Capacity] = {}
         # Host bytes of the distinct programs each bucket holds: large models' programs
