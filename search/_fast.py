@@ -50,6 +50,7 @@ from distir_jax.transforms.coarse import (
     transform_layers_per_chunk,
     transform_step_costs,
 )
+from distir_jax.transforms.coarse_steady import short_candidates
 from distir_jax.transforms.data_parallel import zero_shard_problem
 from search._programs import Prepared, compact
 from search._transform import parallel_config
@@ -94,7 +95,7 @@ class FastEngine:
         self._sizes = {key: tuple(sorted(v)) for key, v in sizes.items()}
 
     def prepare(
-        self, group: Sequence[Config], *, steady: bool = True
+        self, group: Sequence[Config], *, steady: bool = True, settle: int = 0
     ) -> list[tuple[Config, Prepared | None, int, str]] | None:
         """One structural key's coarse programs (one per hardware preset).
 
@@ -102,7 +103,9 @@ class FastEngine:
         short program whose steady period stands for the rest
         (:func:`~distir_jax.transforms.coarse.steady_pipeline_program`);
         the kernel call extrapolates it, and reports rows whose period has not
-        settled, which then need ``steady=False``.
+        settled. Those need a longer short program (``settle=1``: skip the
+        shortest of :func:`~distir_jax.transforms.coarse_steady.short_candidates`)
+        or the long one (``steady=False``).
 
         Returns:
           ``(config, prepared, variant, reason)`` per row, like the exact
@@ -115,7 +118,7 @@ class FastEngine:
             if c.preset in prepared:
                 continue
             try:
-                prepared[c.preset] = self._prepare(c, group, steady)
+                prepared[c.preset] = self._prepare(c, group, steady, settle)
             except SplitBlockError:
                 return None
             except ValueError as err:
@@ -130,7 +133,9 @@ class FastEngine:
                 rows.append((c, program, sizes.index(c.microbatch_size), ""))
         return rows
 
-    def _prepare(self, config: Config, group: Sequence[Config], steady: bool) -> tuple[Prepared, tuple]:
+    def _prepare(
+        self, config: Config, group: Sequence[Config], steady: bool, settle: int
+    ) -> tuple[Prepared, tuple]:
         key = _measure_key(config)
         sizes = self._sizes.get(key) or tuple(
             sorted({c.microbatch_size for c in group} | {c.microbatch_size * c.data for c in group})
@@ -170,6 +175,8 @@ class FastEngine:
             step_costs=transform_step_costs(features, layers, variants),
             overlap_segments=True,
             steady=steady,
+            # A retry: only the longer short programs (possibly none: then the long one).
+            short_microbatches=short_candidates(pc.schedule, pc.pipeline)[settle:] if settle else None,
         )
         return compact(program, topology, period), tuple(sizes[i] for i in used)
 

@@ -16,7 +16,8 @@ Pipeline (one direction):
      period stands for the rest (:mod:`~distir_jax.transforms.coarse_steady`):
      its call extrapolates the step time and the breakdown, and certifies
      that the period had settled (same clock shift on every resource); the
-     rows it cannot certify run their long programs afterwards.
+     rows it cannot certify run again as a longer short program, then if
+     need be as their long programs.
    * exact engine (and the rows the fast engine does not model): build the
      model once with ``batch_size = np.array(<the group's batch sizes>)``,
      parallelize it with ``representative_only=True`` (one replica of each
@@ -191,10 +192,17 @@ def evaluate(
             # Progress counts configurations prepared (see the module docstring's "Time").
             bar.update(1)
     batcher.flush_all()
-    while batcher.redo:  # short steady programs whose period did not settle: their long programs
+    retries = 0
+    while batcher.redo:  # short steady programs whose period had not settled
         redo, batcher.redo = batcher.redo, []
+        retries += 1
         for group in _groups(redo):
-            for config, prepared, variant, reason in fast_engine.prepare(group, steady=False):
+            # First a longer short program (the clocks may settle later), then the long one.
+            if retries == 1:
+                again = fast_engine.prepare(group, settle=1)
+            else:
+                again = fast_engine.prepare(group, steady=False)
+            for config, prepared, variant, reason in again:
                 if reason:
                     emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
                 else:

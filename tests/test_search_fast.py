@@ -115,12 +115,13 @@ def test_rows_whose_period_is_not_certified_run_their_long_programs(monkeypatch,
     # Every period fails its certificate (in kernels traced here, then forgotten).
     monkeypatch.setattr(evaluate_module, "_extrapolate", lambda *a: (extrapolate(*a)[0], a[2] == 0))
     monkeypatch.setattr(evaluate_module, "_COMPILED", {})
-    long = []
+    long, retried = [], []
     prepare = FastEngine.prepare
 
-    def spy(self, group, *, steady=True):
+    def spy(self, group, *, steady=True, settle=0):
         long.extend(group if not steady else [])
-        return prepare(self, group, steady=steady)
+        retried.extend(group if settle else [])
+        return prepare(self, group, steady=steady, settle=settle)
 
     monkeypatch.setattr(FastEngine, "prepare", spy)
     evaluate_module._runner.cache_clear()
@@ -128,7 +129,8 @@ def test_rows_whose_period_is_not_certified_run_their_long_programs(monkeypatch,
         got = evaluate(configs, progress=False, engine="fast")
     finally:
         evaluate_module._runner.cache_clear()
-    assert len(long) == len(configs)  # each one redone at its full length
+    # Each one tried as a longer short program, then run at its full length.
+    assert len(retried) == len(configs) and len(long) == len(configs)
     assert set(got["engine"].tolist()) == {"fast"}
     np.testing.assert_allclose(got["step_time_s"], want["step_time_s"], rtol=1e-5)
     np.testing.assert_allclose(got["peak_memory_bytes"], want["peak_memory_bytes"], rtol=1e-9)

@@ -57,6 +57,7 @@ __all__ = [
     "MIN_LONG_OPS",
     "SteadyTemplate",
     "extrapolate",
+    "short_candidates",
     "steady_peak_bytes",
     "steady_template",
     "worth_it",
@@ -98,10 +99,11 @@ def _microbatch_period(schedule: str, pipeline: int) -> int:
     return pipeline if schedule == "interleaved" else 1
 
 
-def _short_candidates(schedule: str, pipeline: int) -> tuple[int, ...]:
+def short_candidates(schedule: str, pipeline: int) -> tuple[int, ...]:
     """Short microbatch counts to try, smallest first: the 1F1B order is
-    periodic from ``k = p + 1`` and its clocks from ``p + 2``, the interleaved
-    ones usually from ``3p`` and ``5p``."""
+    periodic from ``k = p + 1`` and its clocks usually from ``p + 2``, the
+    interleaved ones from ``3p`` and ``5p`` (the clocks may settle later: a
+    caller whose certificate fails may try the longer ones)."""
     p = pipeline
     if schedule == "interleaved":
         return (5 * p, 6 * p, 8 * p)
@@ -208,7 +210,7 @@ def steady_template(
     if schedule not in ("1f1b", "interleaved") or p < 2:
         return None
     step = _microbatch_period(schedule, p)
-    candidates = _short_candidates(schedule, p) if short_microbatches is None else short_microbatches
+    candidates = short_candidates(schedule, p) if short_microbatches is None else short_microbatches
     costs = None if step_costs is None else tuple(map(tuple, np.asarray(step_costs, np.float64).tolist()))
     if segments is not None:  # hashable, as pipeline_template normalizes them
         segments = tuple(tuple(bool(x) for x in c) for c in segments)
@@ -271,7 +273,7 @@ def worth_it(pipeline: int, microbatches: int, virtual_stages: int, schedule: st
     period (sizes from :func:`~distir_jax.transforms.coarse_pipeline.template_size`)."""
     if schedule not in ("1f1b", "interleaved") or pipeline < 2:
         return False
-    short_k = _short_candidates(schedule, pipeline)[0]
+    short_k = short_candidates(schedule, pipeline)[0]
     step = _microbatch_period(schedule, pipeline)
     size = lambda k: template_size(pipeline, k, virtual_stages, mode)[0]  # noqa: E731
     long = size(microbatches)
