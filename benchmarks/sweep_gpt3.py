@@ -202,7 +202,7 @@ def _stage_peaks(tmpl, tid, alloc, free, resident, periods):
     """Peak bytes of each stage's device: lower.peak_memory's rule on stage-sorted events.
 
     A steady template's period stands for ``1 + periods`` copies: each moves the
-    stage's running bytes by its net over the period (see coarse_steady.steady_peak_bytes).
+    stage's running bytes by its net over the period (see coarse_program.stage_peak_memory).
     """
     perm = tmpl["event_perm"][tid]
     memory_row = tmpl["memory_row"][tid]

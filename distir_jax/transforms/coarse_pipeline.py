@@ -256,16 +256,14 @@ def pipeline_template(
     """
     if mode not in DATA_MODES:
         raise ValueError(f"mode must be one of {DATA_MODES}, got {mode!r}")
+    segments, updates = hashable_plan(segments, updates)
     if segments is not None:
         if not mode.startswith("overlap"):
             raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
-        segments = tuple(tuple(bool(x) for x in c) for c in segments)
         if len(segments) != int(pipeline) * int(virtual_stages) or not all(segments):
             raise ValueError(f"segments needs a non-empty tuple per chunk, got {len(segments)} entries")
     if (mode == "overlap_zero" and segments is not None) != (updates is not None):
         raise ValueError("updates go with segments in mode 'overlap_zero', and only there")
-    if updates is not None:
-        updates = tuple(tuple(int(j) for j in c) for c in updates)
     if step_costs is None and segments is None:
         return _cached_template(int(pipeline), int(microbatches), int(virtual_stages), schedule, mode)
     costs = None
@@ -274,6 +272,15 @@ def pipeline_template(
         costs = (step_costs.shape, tuple(step_costs.ravel().tolist()))
     core = _cached_core(int(pipeline), int(microbatches), int(virtual_stages), schedule, costs)
     return _build_template(core, mode, segments, updates)
+
+
+def hashable_plan(segments, updates) -> tuple:
+    """``segments`` and ``updates`` (see :func:`pipeline_template`) as nested tuples, or None."""
+    if segments is not None:
+        segments = tuple(tuple(bool(x) for x in c) for c in segments)
+    if updates is not None:
+        updates = tuple(tuple(int(j) for j in c) for c in updates)
+    return segments, updates
 
 
 @functools.lru_cache(maxsize=16)

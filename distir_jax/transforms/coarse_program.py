@@ -32,7 +32,7 @@ from distir_jax.ir.topology import Topology
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, Program
 from distir_jax.transforms.coarse_features import LayerFeatures
 from distir_jax.transforms.coarse_pipeline import PipelineTemplate, data_mode, pipeline_template
-from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_peak_bytes, steady_template, worth_it
+from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_template, worth_it
 
 __all__ = [
     "ChunkTables",
@@ -529,7 +529,7 @@ def realize(
       tensor, data: the tensor- and data-parallel degrees.
       num_streams: streams per device (at least the template's).
       steady: when ``template`` is this steady template's short one, its
-        peak memory is the long program's (:func:`~distir_jax.transforms.coarse_steady.steady_peak_bytes`).
+        peak memory is the long program's (:func:`stage_peak_memory`).
 
     Returns:
       A Program whose features and memory carry ``S`` size variants.
@@ -563,10 +563,7 @@ def realize(
     resident = np.zeros((tables.resident.shape[0], num_devices))
     resident[:, device] = tables.resident
     peak = np.zeros_like(resident)
-    if steady is None:
-        peak[:, device] = stage_peak_memory(template, alloc, free, tables.resident)
-    else:
-        peak[:, device] = steady_peak_bytes(steady, alloc, free, tables.resident)
+    peak[:, device] = stage_peak_memory(template, alloc, free, tables.resident, steady)
     is_comm = (link_kind >= 2) | ((link_kind == 1) & (tensor > 1))
     return Program(
         resource=resource,
@@ -586,9 +583,17 @@ def realize(
     )
 
 
-def stage_peak_memory(template: PipelineTemplate, alloc, free, resident) -> np.ndarray:
+def stage_peak_memory(
+    template: PipelineTemplate, alloc, free, resident, steady: SteadyTemplate | None = None
+) -> np.ndarray:
     """Peak bytes of each stage's device, ``[S, p]``: :func:`~distir_jax.lower.peak_memory`'s
-    program-order rule, with the events sorted by stage once per template."""
+    program-order rule, with the events sorted by stage once per template.
+
+    With ``steady`` (``template`` being its short one), the long program's: each
+    copy of the period moves a stage's running bytes by the period's net, so the
+    copies peak at the first one's rise plus ``max(0, r * net)`` and everything
+    after them at its short rise plus ``r * net``.
+    """
     perm, event_stage = template.stage_events
     stages, starts = np.unique(event_stage, return_index=True)
     s = alloc.shape[0]
@@ -597,7 +602,13 @@ def stage_peak_memory(template: PipelineTemplate, alloc, free, resident) -> np.n
     running = np.cumsum(delta, axis=1) - delta
     base = running[:, starts]
     segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, perm.shape[0])))
-    rise = np.maximum.reduceat(running - base[:, segment] + a, starts, axis=1)
+    rise = running - base[:, segment] + a
+    if steady is not None:
+        in_period, after = steady.event_part == 1, steady.event_part == 2
+        net = np.add.reduceat(np.where(in_period, delta, 0.0), starts, axis=1)  # [S, stages]
+        moved = steady.extra_periods * net[:, segment]
+        rise += np.where(in_period, np.maximum(moved, 0.0), np.where(after, moved, 0.0))
+    rise = np.maximum.reduceat(rise, starts, axis=1)
     peak = np.array(resident, np.float64, copy=True)
     peak[:, stages] = np.maximum(peak[:, stages], resident[:, stages] + rise)
     return peak

@@ -25,7 +25,7 @@ template is ``A Q^(1+r) Z`` where the template with ``r`` fewer periods is
 * Peak memory needs no certificate: each stage's running bytes change by
   the same net amount over every copy of ``Q`` (the same events with the
   same sizes), so the long program's peak follows from the short one's
-  per-part rises (:func:`steady_peak_bytes`).
+  per-part rises (:func:`~distir_jax.transforms.coarse_program.stage_peak_memory`).
 
 When the certificate fails (the period has not settled in the short
 program), the caller simulates the long template. If the certificate's
@@ -51,14 +51,18 @@ import functools
 
 import numpy as np
 
-from distir_jax.transforms.coarse_pipeline import PipelineTemplate, pipeline_template, template_size
+from distir_jax.transforms.coarse_pipeline import (
+    PipelineTemplate,
+    hashable_plan,
+    pipeline_template,
+    template_size,
+)
 
 __all__ = [
     "MIN_LONG_OPS",
     "SteadyTemplate",
     "extrapolate",
     "short_candidates",
-    "steady_peak_bytes",
     "steady_template",
     "worth_it",
 ]
@@ -169,13 +173,11 @@ def _statically_sound(template: PipelineTemplate, begin: int, end: int) -> bool:
 
 def _last_op_on(res: np.ndarray, resources: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """Per resource, the last op in ``[lo, hi)`` using it, or -1."""
-    out = np.full(len(resources), -1, np.int64)
-    window = res[lo:hi]
-    for j, r in enumerate(resources):
-        hits = np.flatnonzero((window == r).any(axis=1))
-        if hits.size:
-            out[j] = lo + hits[-1]
-    return out
+    flat = res[lo:hi].reshape(-1)
+    used = flat >= 0
+    last = np.full(max(int(res.max(initial=0)), int(resources.max(initial=0))) + 1, -1, np.int64)
+    np.maximum.at(last, flat[used], lo + np.flatnonzero(used) // res.shape[1])
+    return last[resources]
 
 
 def steady_template(
@@ -212,10 +214,7 @@ def steady_template(
     step = _microbatch_period(schedule, p)
     candidates = short_candidates(schedule, p) if short_microbatches is None else short_microbatches
     costs = None if step_costs is None else tuple(map(tuple, np.asarray(step_costs, np.float64).tolist()))
-    if segments is not None:  # hashable, as pipeline_template normalizes them
-        segments = tuple(tuple(bool(x) for x in c) for c in segments)
-    if updates is not None:
-        updates = tuple(tuple(int(j) for j in c) for c in updates)
+    segments, updates = hashable_plan(segments, updates)  # cache keys
     for short_k in candidates:
         if short_k + step > k:
             return None
@@ -309,37 +308,3 @@ def extrapolate(finish_slots, before, after, extra_periods, step_time, rtol, xp=
     spread = lam - xp.min(xp.where(used, shift, lam[:, None]), axis=1)
     long_time = step_time + extra_periods * lam
     return long_time, (extra_periods == 0) | (extra_periods * spread <= rtol * long_time)
-
-
-def steady_peak_bytes(steady: SteadyTemplate, alloc, free, resident) -> np.ndarray:
-    """``[B, p]`` peak bytes of each stage's device in the long program.
-
-    :func:`~distir_jax.transforms.coarse_program.stage_peak_memory`'s rule,
-    with the copies of ``Q``: each stage's running bytes move by its net over
-    ``Q`` (``net``) per copy, so the copies peak at the first one's rise plus
-    ``max(0, r * net)`` and ``Z`` at its short rise plus ``r * net``.
-
-    Args:
-      steady: the short template.
-      alloc, free: ``[B, N, 2]`` per op slot of the short program (``Program.alloc_bytes``).
-      resident: ``[B, p]`` resident bytes of each stage.
-    """
-    perm, stage = steady.template.stage_events
-    b, p = np.shape(resident)
-    a = np.asarray(alloc, np.float64).reshape(b, -1)[:, perm]
-    delta = a - np.asarray(free, np.float64).reshape(b, -1)[:, perm]
-    running = np.cumsum(delta, axis=1) - delta
-    starts = np.searchsorted(stage, stage)  # each event's stage's first event
-    rise = running - running[:, starts] + a
-    part = steady.event_part
-    net = np.zeros((b, p))
-    for s in range(p):
-        net[:, s] = delta[:, (stage == s) & (part == 1)].sum(axis=1)
-    moved = steady.extra_periods * net[:, stage]
-    rise = rise + np.where(part == 1, np.maximum(moved, 0.0), np.where(part == 2, moved, 0.0))
-    peak = np.array(resident, np.float64, copy=True)
-    for s in range(p):
-        on = stage == s
-        if on.any():
-            peak[:, s] += np.maximum(rise[:, on].max(axis=1), 0.0)
-    return peak
