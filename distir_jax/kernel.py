@@ -17,6 +17,7 @@ gradients for strategy search.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -58,12 +59,6 @@ class SimResult(NamedTuple):
     op_start: jax.Array | None = None
     op_finish: jax.Array | None = None
     finish_slots: jax.Array | None = None
-
-
-class _Carry(NamedTuple):
-    clock: jax.Array  # [R, B] time each resource becomes free
-    finish: jax.Array  # [V, B] finish times still to be read
-    busy: jax.Array  # [R, B] busy seconds
 
 
 def _max(x, axis, temperature):
@@ -134,6 +129,95 @@ def batch_size(program: Program, hardware: Hardware, costs=None) -> int:
     return sizes.pop() if sizes else 1
 
 
+class Timeline(NamedTuple):
+    """The kernel's state between runs of ops, configurations last.
+
+    A program may run as consecutive slices of its ops (:func:`run_ops`),
+    each passing its timeline to the next: the result is the same as one run
+    over all of them. Sweeps do that so one compiled kernel serves programs of
+    every length.
+    """
+
+    clock: jax.Array  # [R, B] time each resource becomes free
+    finish: jax.Array  # [V, B] finish-time slots
+    busy: jax.Array  # [R, B] busy seconds
+    compute: jax.Array | None = None  # [R, B] the compute part of busy, if tracked
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HardwareRows:
+    """Every per-device and per-link number of a batch of hardware, as one table.
+
+    Rows ``[1/peak_flops D | 1/memory_bandwidth D | 1/link_bandwidth D*D | latency D*D]``
+    (speeds as seconds per flop / byte: reciprocals make the cost formula
+    multiplies, which XLA fuses freely). ``table`` is ``[X, Bh]`` for programs
+    whose structure all configurations share, ``[Bh, X]`` for per-configuration
+    structure (see :func:`hardware_rows`).
+    """
+
+    table: jax.Array
+    launch: jax.Array  # [Bh] seconds per kernel launch
+    num_devices: int = dataclasses.field(metadata=dict(static=True))
+
+
+def hardware_rows(hardware: Hardware, per_config_structure: bool) -> HardwareRows:
+    """The cost model's hardware numbers for :func:`run_ops` (computed once per batch)."""
+    dtype = jnp.result_type(float)
+    hw = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), hardware)
+    num_devices = hw.peak_flops.shape[-1]
+    pairs = num_devices * num_devices
+    table = jnp.concatenate(
+        [
+            1.0 / _configs_last(hw.peak_flops, 1),
+            1.0 / _configs_last(hw.memory_bandwidth, 1),
+            inverse_bandwidth(jnp, _configs_last(hw.link_bandwidth, 2).reshape(pairs, -1)),
+            _configs_last(hw.link_latency, 2).reshape(pairs, -1),
+        ]
+    )  # [2D + 2D^2, Bh]
+    # Per-configuration structure reads rows along each configuration's own
+    # axis (CPU gathers along the last axis are ~5x cheaper than across configurations).
+    launch = _configs_last(hw.launch_overhead, 0)
+    return HardwareRows(table.T if per_config_structure else table, launch, num_devices)
+
+
+def op_speeds(program: Program, rows: HardwareRows) -> tuple:
+    """``op_seconds``' hardware arguments for every op of per-configuration
+    structure ``[B, N]``: the op's first device's speeds and its link's."""
+    d = rows.num_devices
+    first_device = jnp.maximum(program.slot_device[..., 0], 0)  # [B, N]
+    pair_rows = program.link[..., 0] * d + program.link[..., 1] + 2 * d
+    table = rows.table  # [Bh, X]
+
+    def read(where):
+        if table.shape[0] == 1:
+            return table[0][where]
+        return jnp.take_along_axis(table, where, axis=1)
+
+    return (
+        read(first_device),
+        read(first_device + d),
+        jnp.reshape(rows.launch, (-1, 1)),
+        read(pair_rows),
+        read(pair_rows + d * d),
+    )
+
+
+def start_timeline(
+    num_resources: int, num_slots: int, batch: int, *, split_compute: bool = False
+) -> Timeline:
+    """All clocks, finish slots and busy times at zero, for :func:`run_ops`.
+
+    ``split_compute``: also track how much of each resource's busy time is the
+    cost model's compute part (the rest is communication).
+    """
+    dtype = jnp.result_type(float)
+    zeros = lambda n: jnp.zeros((n, batch), dtype)  # noqa: E731
+    return Timeline(zeros(num_resources), zeros(num_slots), zeros(num_resources), None)._replace(
+        compute=zeros(num_resources) if split_compute else None
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("temperature", "record_ops"))
 def simulate(
     program: Program,
@@ -163,17 +247,55 @@ def simulate(
     Returns:
       A :class:`SimResult` with leading axis ``[B]``.
     """
+    _check(program, hardware, temperature)
+    rows = hardware_rows(hardware, np.ndim(program.resource) == 3)
+    num_resources = program.resource_device.shape[-1]
+    state = start_timeline(num_resources, program.num_finish_slots, batch_size(program, hardware, costs))
+    state, per_op = run_ops(state, program, rows, costs, temperature=temperature, record_ops=record_ops)
+    result = conclude(state, program, hardware, valid, temperature=temperature)
+    if record_ops:
+        result = result._replace(op_start=per_op[0].T, op_finish=per_op[1].T)
+    return result
+
+
+def _check(program: Program, hardware: Hardware, temperature) -> None:
     if temperature is not None and not temperature > 0:
         raise ValueError(f"temperature must be None or > 0, got {temperature}")
-    num_resources = program.resource_device.shape[-1]
     num_devices = program.resident_bytes.shape[-1]
     if hardware.peak_flops.shape[-1] != num_devices:
         raise ValueError(
             f"hardware has {hardware.peak_flops.shape[-1]} devices but the program is padded to "
             f"{num_devices}; use pad_hardware"
         )
-    b = batch_size(program, hardware, costs)
-    dtype = jnp.result_type(float)
+
+
+def run_ops(
+    state: Timeline,
+    program: Program,
+    rows: HardwareRows,
+    costs: jax.Array | None = None,
+    weights: jax.Array | None = None,
+    *,
+    temperature: float | None = None,
+    record_ops: bool = False,
+) -> tuple[Timeline, tuple | None]:
+    """Runs the program's ops, in order, from ``state``: the timeline after them,
+    and (with ``record_ops``) each op's ``(start, finish)``, ``[N, B]`` each.
+
+    ``program``'s op arrays may be any slice of a program's ops; its per-device
+    arrays are not read. ``rows`` is :func:`hardware_rows` of the batch's
+    hardware, with ``per_config_structure`` as the program's structure.
+    ``weights`` (``[N]`` or ``[B, N]``) count each op's seconds that many times
+    in the busy (and compute) totals, not in the clocks: an op that stands for
+    several runs of itself (see :mod:`distir_jax.transforms.coarse_steady`).
+    """
+    split_compute = state.compute is not None
+    if split_compute and costs is not None:
+        raise ValueError("split_compute needs the cost model's compute part; explicit costs have none")
+    num_resources = program.resource_device.shape[-1]
+    num_devices = rows.num_devices
+    b = state.clock.shape[1]
+    dtype = state.clock.dtype
 
     shared = np.ndim(program.resource) == 2
     if shared:
@@ -185,7 +307,7 @@ def simulate(
         )
         out = jnp.moveaxis(program.out_slot, 0, -1)
         link = jnp.moveaxis(program.link, 0, -1)
-    num_slots = program.num_finish_slots
+    num_slots = state.finish.shape[0]
     xs = dict(
         res_get=jnp.maximum(res, 0),
         res_set=jnp.where(res < 0, num_resources, res),
@@ -201,88 +323,59 @@ def simulate(
         xs.update({name: _configs_last(getattr(program, name), 1).astype(dtype) for name in COST_FEATURES})
     if costs is not None:
         xs["costs"] = _configs_last(costs, 2).astype(dtype)
-    hw = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), hardware)
-    # Every per-device and per-link number in one table of rows
-    # [1/peak_flops D | 1/memory_bandwidth D | 1/link_bandwidth D*D | latency D*D];
-    # an op reads four rows, each by a scalar index (a dynamic slice: on CPU
-    # that is much cheaper per step than one vector-indexed gather of four).
-    # Reciprocals make the cost formula multiplies, which XLA fuses freely.
+    if weights is not None:
+        xs["weight"] = _configs_last(weights, 1).astype(dtype)
+    hw_table = rows.table
+    # An op reads four rows of the table, each by a scalar index (a dynamic
+    # slice: on CPU that is much cheaper per step than one vector-indexed
+    # gather of four).
     pairs = num_devices * num_devices
-    hw_table = jnp.concatenate(
-        [
-            1.0 / _configs_last(hw.peak_flops, 1),
-            1.0 / _configs_last(hw.memory_bandwidth, 1),
-            inverse_bandwidth(jnp, _configs_last(hw.link_bandwidth, 2).reshape(pairs, -1)),
-            _configs_last(hw.link_latency, 2).reshape(pairs, -1),
-        ]
-    )  # [2D + 2D^2, Bh], speeds as seconds per flop / byte
     if costs is None and not precost:
         device = jnp.maximum(dev[:, 0], 0)
         pair = link[:, 0] * num_devices + link[:, 1]
         xs["hw_rows"] = jnp.stack(
             [device, device + num_devices, pair + 2 * num_devices, pair + 2 * num_devices + pairs], axis=1
         ).astype(jnp.int32)  # [N, 4]
-    launch = _configs_last(hw.launch_overhead, 0)  # [Bh]
+    launch = rows.launch  # [Bh]
     maximum = None if temperature is None else (lambda a, c: _max2(a, c, temperature))
 
     def op_cost(x):
         """Seconds the op occupies each of its resources: ``[K, B]``, or ``[B]``
         when the cost model makes it the same on every resource (compute ops
-        run on one device; a collective costs its bottleneck on every member)."""
+        run on one device; a collective costs its bottleneck on every member);
+        and with ``split_compute``, the compute part ``[B]``."""
         if "costs" in x:
-            return jnp.broadcast_to(x["costs"], (x["costs"].shape[0], b))
+            return jnp.broadcast_to(x["costs"], (x["costs"].shape[0], b)), None
         if "seconds" in x:
-            return x["seconds"]
-        per_flop, per_byte, per_link_byte, link_lat = (_gather_one(hw_table, row) for row in x["hw_rows"])
-        seconds = op_seconds(
-            jnp,
-            x,
-            per_flop,
-            per_byte,
-            launch,
-            per_link_byte,
-            link_lat,
-            maximum,
-        )
-        return jnp.broadcast_to(seconds, (b,))
+            return x["seconds"], x.get("compute_seconds")
+        speeds = [_gather_one(hw_table, row) for row in x["hw_rows"]]
+        speeds.insert(2, launch)
+        seconds = jnp.broadcast_to(op_seconds(jnp, x, *speeds, maximum), (b,))
+        if not split_compute:
+            return seconds, None
+        return seconds, jnp.broadcast_to(op_seconds(jnp, _compute_part(x), *speeds, maximum), (b,))
 
     if precost:
-        # The reads are row gathers in the programs' own [B, N] layout (CPU
-        # gathers along the last axis are ~5x cheaper than across
-        # configurations), transposed once at the end.
-        table = hw_table.T  # [Bh, X]
-        first_device = jnp.maximum(program.slot_device[..., 0], 0)  # [B, N]
-        pair_rows = program.link[..., 0] * num_devices + program.link[..., 1] + 2 * num_devices
-
-        def read(rows):
-            if table.shape[0] == 1:
-                return table[0][rows]
-            return jnp.take_along_axis(table, rows, axis=1)
-
+        # The reads are row gathers in the programs' own [B, N] layout, transposed once at the end.
         features = {
-            name: jnp.broadcast_to(jnp.asarray(getattr(program, name), dtype), first_device.shape)
+            name: jnp.broadcast_to(jnp.asarray(getattr(program, name), dtype), program.resource.shape[:2])
             for name in COST_FEATURES
         }
-        seconds = op_seconds(
-            jnp,
-            features,
-            read(first_device),
-            read(first_device + num_devices),
-            jnp.reshape(launch, (-1, 1)),
-            read(pair_rows),
-            read(pair_rows + pairs),
-            maximum,
-        )
-        xs["seconds"] = jnp.broadcast_to(seconds, first_device.shape).T  # [N, B]
+        speeds = op_speeds(program, rows)
+        seconds = op_seconds(jnp, features, *speeds, maximum)
+        xs["seconds"] = jnp.broadcast_to(seconds, program.resource.shape[:2]).T  # [N, B]
+        if split_compute:
+            compute = op_seconds(jnp, _compute_part(features), *speeds, maximum)
+            xs["compute_seconds"] = jnp.broadcast_to(compute, program.resource.shape[:2]).T
 
-    def step(carry: _Carry, x):
+    def step(carry: Timeline, x):
         slot_ok = x["slot_ok"] if x["slot_ok"].ndim == 2 else x["slot_ok"][:, None]
         dep_ok = x["dep_ok"] if x["dep_ok"].ndim == 2 else x["dep_ok"][:, None]
         low = jnp.asarray(0.0 if temperature is None else -1e30, dtype)
         clocks = jnp.where(slot_ok, _gather(carry.clock, x["res_get"]), low)
         ready = jnp.where(dep_ok, _gather(carry.finish, x["dep_get"]), low)
         start = _max(jnp.concatenate([clocks, ready, jnp.zeros((1, b), dtype)]), 0, temperature)
-        op_seconds = op_cost(x)
+        op_seconds, compute_seconds = op_cost(x)
         if op_seconds.ndim == 1:  # the same on every resource
             cost = jnp.where(slot_ok, op_seconds[None, :], 0.0)
             fin = start + op_seconds
@@ -292,25 +385,47 @@ def simulate(
         clock = _scatter(carry.clock, x["res_set"], start[None, :] + cost)
         out = x["out_set"][None] if x["out_set"].ndim == 0 else x["out_set"][None, :]
         finish = _scatter(carry.finish, out, fin[None, :])
-        busy = _scatter(carry.busy, x["res_set"], cost, add=True)
-        new = _Carry(clock, finish, busy)
+        weight = x["weight"][None, :] if "weight" in x else 1.0
+        busy = _scatter(carry.busy, x["res_set"], cost * weight, add=True)
+        compute = None
+        if split_compute:
+            charged = jnp.where(slot_ok, compute_seconds[None, :], 0.0) * weight
+            compute = _scatter(carry.compute, x["res_set"], charged, add=True)
+        new = Timeline(clock, finish, busy, compute)
         return new, ((start, fin) if record_ops else None)
 
-    init = _Carry(
-        clock=jnp.zeros((num_resources, b), dtype),
-        finish=jnp.zeros((num_slots, b), dtype),
-        busy=jnp.zeros((num_resources, b), dtype),
-    )
-    final, per_op = jax.lax.scan(step, init, xs)
-    step_time = _max(final.clock, 0, temperature)
-    capacity = jnp.broadcast_to(_configs_last(hw.memory_capacity, 1), (num_devices, b))
+    return jax.lax.scan(step, state, xs)
+
+
+_COMM_FEATURES = ("comm_volume", "comm_hops")
+
+
+def _compute_part(features: dict) -> dict:
+    """The features with the communication ones zeroed: the cost model adds a
+    compute and a communication part, so these give the compute part."""
+    return {k: jnp.zeros_like(v) if k in _COMM_FEATURES else v for k, v in features.items()}
+
+
+def conclude(
+    state: Timeline,
+    program: Program,
+    hardware: Hardware,
+    valid: jax.Array | None = None,
+    *,
+    temperature: float | None = None,
+) -> SimResult:
+    """The results once every op has run: step time, busy time, peak memory
+    (the program's ``peak_bytes``) and status. Reads only ``program``'s per-device arrays."""
+    num_devices = program.resident_bytes.shape[-1]
+    b = state.clock.shape[1]
+    dtype = state.clock.dtype
+    step_time = _max(state.clock, 0, temperature)
+    capacity = _configs_last(jnp.asarray(hardware.memory_capacity, dtype), 1)
+    capacity = jnp.broadcast_to(capacity, (num_devices, b))
     peak = jnp.broadcast_to(_configs_last(program.peak_bytes, 1).astype(dtype), (num_devices, b))
     oom = jnp.any(peak > capacity, axis=0)
     ok = jnp.isfinite(step_time) & jnp.all(jnp.isfinite(peak), axis=0)
     if valid is not None:
         ok = ok & jnp.broadcast_to(jnp.asarray(valid, bool), (b,))
     status = jnp.where(ok, jnp.where(oom, STATUS_OUT_OF_MEMORY, STATUS_OK), STATUS_INVALID).astype(jnp.int32)
-    op_start = op_finish = None
-    if record_ops:
-        op_start, op_finish = per_op[0].T, per_op[1].T
-    return SimResult(step_time, peak.T, final.busy.T, status, op_start, op_finish, final.finish.T)
+    return SimResult(step_time, peak.T, state.busy.T, status, finish_slots=state.finish.T)

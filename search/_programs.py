@@ -30,6 +30,7 @@ from distir_jax.transforms.coarse_steady import SteadyTemplate
 # features (``[D]`` or ``[S, D]``); the kernel never reads alloc / free bytes.
 _OP_FEATURES = COST_FEATURES
 _DEVICE_FEATURES = ("resident_bytes", "peak_bytes")
+_OP_FIELDS = ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm") + _OP_FEATURES
 # Kernel working memory per row, as a multiple of the row's input bytes: the
 # kernel re-lays structure configs-last and derives a few index tables from it.
 _WORKSPACE_FACTOR = 4
@@ -134,49 +135,87 @@ def stack_rows(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_ro
       ``free_bytes`` are placeholders (the kernel reads the precomputed
       ``peak_bytes`` instead).
     """
-    items = list(items) + [items[0]] * (num_rows - len(items))
-    # Preallocated with each field's padding value; each row fills its prefix.
-    arrays = {
-        name: np.full(shape, fill, dtype)
-        for name, (shape, dtype, fill) in _row_fields(capacity, num_rows).items()
-    }
-    d = capacity.num_devices
-    # Rows of one program share its structure: one assignment fills them all.
-    members: dict[int, tuple[Prepared, list[int], list[int]]] = {}
-    for row, (prepared, variant) in enumerate(items):
-        _, rows, variants = members.setdefault(id(prepared), (prepared, [], []))
-        rows.append(row)
-        variants.append(variant)
-    hardware_rows: list[Hardware | None] = [None] * num_rows
-    for prepared, rows, variants in members.values():
-        prog, rows = prepared.program, np.asarray(rows)
-        for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "resource_device"):
-            x = np.asarray(getattr(prog, name))
-            arrays[name][(rows, *(slice(0, m) for m in x.shape))] = x
-        arrays["num_ops"][rows] = int(prog.num_ops)
-        for name in _OP_FEATURES + _DEVICE_FEATURES:  # the kernel computes in float32
-            x = np.asarray(getattr(prog, name))
-            arrays[name][rows, : x.shape[-1]] = x[np.asarray(variants)] if x.ndim > 1 else x
-        hw = prepared.hardware
-        hw = pad_hardware(hw, d) if hw.num_devices < d else hw
-        for row in rows:
-            hardware_rows[row] = hw
-    placeholder = np.zeros((num_rows, 1, 1), np.float32)
-    program = Program(
-        **arrays, alloc_bytes=placeholder, free_bytes=placeholder, num_finish_slots=capacity.finish_slots
-    )
-    hardware = Hardware(
-        **{
-            f.name: np.stack([getattr(hw, f.name) for hw in hardware_rows]).astype(np.float32)
-            for f in dataclasses.fields(Hardware)
+    rows = RowStack(items, capacity, num_rows)
+    return rows.program(0, capacity.num_ops), rows.hardware
+
+
+class RowStack:
+    """The rows of one kernel call: per-device arrays and hardware stacked at
+    once, op arrays one window of ops at a time (:meth:`program`), so a call
+    over long programs never holds all of its ops on the host (see
+    :func:`stack_rows` for the row layout)."""
+
+    def __init__(self, items: Sequence[tuple[Prepared, int]], capacity: Capacity, num_rows: int):
+        items = list(items) + [items[0]] * (num_rows - len(items))
+        self.capacity, self.num_rows = capacity, num_rows
+        fields = _row_fields(capacity, num_rows)
+        self.per_device = {
+            name: np.full(shape, fill, dtype)
+            for name, (shape, dtype, fill) in fields.items()
+            if name not in _OP_FIELDS
         }
-    )
-    return program, hardware
+        # Rows of one program share its structure: one assignment fills them all.
+        members: dict[int, tuple[Prepared, list[int], list[int]]] = {}
+        for row, (prepared, variant) in enumerate(items):
+            _, rows, variants = members.setdefault(id(prepared), (prepared, [], []))
+            rows.append(row)
+            variants.append(variant)
+        self.members = [(p, np.asarray(rows), np.asarray(variants)) for p, rows, variants in members.values()]
+        d = capacity.num_devices
+        hardware_rows: list[Hardware | None] = [None] * num_rows
+        for prepared, rows, variants in self.members:
+            prog = prepared.program
+            x = np.asarray(prog.resource_device)
+            self.per_device["resource_device"][rows, : x.shape[-1]] = x
+            self.per_device["num_ops"][rows] = int(prog.num_ops)
+            for name in _DEVICE_FEATURES:  # the kernel computes in float32
+                x = np.asarray(getattr(prog, name))
+                self.per_device[name][rows, : x.shape[-1]] = x[variants] if x.ndim > 1 else x
+            hw = prepared.hardware
+            hw = pad_hardware(hw, d) if hw.num_devices < d else hw
+            for row in rows:
+                hardware_rows[row] = hw
+        self.hardware = Hardware(
+            **{
+                f.name: np.stack([getattr(hw, f.name) for hw in hardware_rows]).astype(np.float32)
+                for f in dataclasses.fields(Hardware)
+            }
+        )
+
+    def program(self, lo: int, hi: int) -> Program:
+        """The rows' ops ``lo .. hi`` (padding past each program's end), with the per-device arrays."""
+        arrays = {}
+        for name, (shape, dtype, fill) in _row_fields(self.capacity, self.num_rows, hi - lo).items():
+            if name in _OP_FIELDS:
+                arrays[name] = np.full(shape, fill, dtype)
+        for prepared, rows, variants in self.members:
+            prog = prepared.program
+            for name in _OP_FIELDS:
+                x = np.asarray(getattr(prog, name))
+                if name in _OP_FEATURES and x.ndim > 1:
+                    x = x[variants]  # [rows, N]: one size variant per row
+                    target = (rows, slice(0, max(0, min(hi, x.shape[1]) - lo)))
+                    arrays[name][target] = x[:, lo:hi]
+                    continue
+                window = x[lo:hi]
+                arrays[name][(rows, *(slice(0, m) for m in window.shape))] = window
+        placeholder = np.zeros((self.num_rows, 1, 1), np.float32)
+        return Program(
+            **arrays,
+            **self.per_device,
+            alloc_bytes=placeholder,
+            free_bytes=placeholder,
+            num_finish_slots=self.capacity.finish_slots,
+        )
 
 
-def _row_fields(capacity: Capacity, num_rows: int) -> dict[str, tuple[tuple[int, ...], type, object]]:
-    """Shape, dtype and padding value of each stacked program field, ``[num_rows, ...]``."""
-    n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
+def _row_fields(
+    capacity: Capacity, num_rows: int, num_ops: int | None = None
+) -> dict[str, tuple[tuple[int, ...], type, object]]:
+    """Shape, dtype and padding value of each stacked program field, ``[num_rows, ...]``
+    (``num_ops``: a window of that many ops instead of the capacity's)."""
+    n = capacity.num_ops if num_ops is None else num_ops
+    k, p = capacity.slots_per_op, capacity.deps_per_op
     d, r = capacity.num_devices, capacity.num_resources
     return {
         "resource": ((num_rows, n, k), np.int32, NO_RESOURCE),

@@ -74,19 +74,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
-from distir_jax.kernel import STATUS_INVALID, simulate
+from distir_jax.kernel import (
+    STATUS_INVALID,
+    Timeline,
+    conclude,
+    hardware_rows,
+    run_ops,
+    start_timeline,
+)
 from distir_jax.lower import Capacity, lower
 from distir_jax.transforms.coarse_steady import extrapolate
 from search._fast import ENGINES, FastEngine, fast_unsupported
 from search._programs import (
     Prepared,
-    choose_capacities,
+    RowStack,
     compact,
     row_bytes,
     row_shapes,
     stack_periods,
-    stack_rows,
 )
 from search._progress import progress_bar
 from search.results import STATUS_INVALID as INVALID
@@ -95,11 +100,15 @@ from search.space import Config, StrategySpace, _one_line, as_configs
 
 CONFIG_AXIS = "configs"
 _BUILD_ERRORS = (ValueError, NotImplementedError)
-_COMM_FEATURES = ("comm_volume", "comm_hops")
 # The cost model for choosing op capacities, measured on a 2-core CPU with
 # per-configuration structure (the kernel re-lays and costs every padded op row).
 _SECONDS_PER_OP_ROW = 2.5e-7
 _SECONDS_PER_COMPILE = 1.0
+# Ops per kernel invocation: a call runs its rows' ops a slice at a time, carrying
+# the timeline, so its compiled kernel does not depend on the programs' lengths.
+_OP_CHUNK = 512
+# Finish slots of the kernel compiled ahead of a sweep's first call (see _Batcher._compile_ahead).
+_FINISH_SLOTS_AHEAD = 64
 _MIN_ROWS = 32
 # Programs waiting in buckets may hold at most this many times ``max_bytes`` of
 # host memory; past it the bucket holding the most runs early (a GPT-3 175B
@@ -170,12 +179,13 @@ def evaluate(
             _write_atomic(_merge(configs, existing, rows), results_path)
             last_checkpoint[0] = time.perf_counter()
 
-    batcher = _Batcher(max_configs_per_call, max_bytes, _local_devices(shard), emit)
     invalid = [ResultTable.row_for(c, INVALID, c.reason, invalid_metrics()) for c in todo if not c.valid]
     emit(invalid)
     bar.update(len(invalid))
     models: dict = {}  # single-device programs, shared by the keys of one model and batch set
     valid = [c for c in todo if c.valid]
+    largest = max((c.world_size for c in valid), default=1)
+    batcher = _Batcher(max_configs_per_call, max_bytes, _local_devices(shard), emit, len(valid), largest)
     fast_engine = FastEngine([c for c in valid if not fast_unsupported(c)]) if engine == "fast" else None
     for group in _groups(valid):
         rows_of_group = None
@@ -309,12 +319,17 @@ class _Batcher:
     kernels are ready, so compiling overlaps the preparation of later rows.
     """
 
-    def __init__(self, max_configs: int, max_bytes: int, devices: list, emit):
+    def __init__(
+        self, max_configs: int, max_bytes: int, devices: list, emit, expected_rows=0, expected_devices=1
+    ):
         if max_configs < 1 or max_bytes < 1:
             raise ValueError(
                 f"max_configs_per_call and max_bytes must be >= 1, got {max_configs}, {max_bytes}"
             )
         self.max_configs, self.max_bytes, self.devices, self.emit = max_configs, max_bytes, devices, emit
+        # What the whole sweep will add, for compiling its kernel from the first row on.
+        self.expected_rows, self.expected_devices = expected_rows, expected_devices
+        self.compiled_ahead = False
         # Rows of short steady programs whose period the run did not certify
         # (see coarse_steady): the caller simulates their long programs.
         self.redo: list[Config] = []
@@ -329,6 +344,9 @@ class _Batcher:
         self.steady: dict[int, bool] = {}  # whether a bucket holds short steady programs
 
     def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
+        if not self.compiled_ahead:
+            self.compiled_ahead = True
+            self._compile_ahead(prepared.capacity, prepared.steady is not None)
         cap = prepared.capacity.bucketed()
         key = cap.num_ops
         self.capacity[key] = cap if key not in self.items else self.capacity[key].union(cap)
@@ -368,41 +386,54 @@ class _Batcher:
         """The pending rows regrouped into ``(capacity, rows)`` calls.
 
         Rows were bucketed by power-of-two op counts on the way in (so full
-        buckets could run early); the rest are regrouped by
-        :func:`~search._programs.choose_capacities`, which trades padded kernel
-        work against compiling one more kernel shape (op capacities already
-        compiled cost nothing more).
+        buckets could run early). The rest are sorted by op count, longest
+        first, and cut into calls as full as :meth:`_limit` allows: rows of
+        similar length share a call (little padded work), and only the last,
+        shortest call has padding rows.
         """
-        pending = [item for items in self.items.values() for item in items]
-        if not pending:
-            return []
-        sizes = [item[1].capacity.num_ops for item in pending]
-        caps = choose_capacities(
-            sizes,
-            seconds_per_op_row=_SECONDS_PER_OP_ROW,
-            seconds_per_compile=_SECONDS_PER_COMPILE,
-            compiled=_compiled_op_capacities(
-                functools.reduce(Capacity.union, (item[1].capacity.bucketed() for item in pending)),
-                self.devices,
-                _any_steady(pending),
-            ),
+        pending = sorted(
+            (item for items in self.items.values() for item in items),
+            key=lambda item: item[1].capacity.num_ops,
+            reverse=True,
         )
-        capacity: dict[int, Capacity] = {}
-        items: dict[int, list] = {}
-        for item, size in zip(pending, sizes, strict=True):
-            cap = caps[int(np.searchsorted(caps, size))]
-            bucketed = dataclasses.replace(item[1].capacity.bucketed(), num_ops=cap)
-            capacity[cap] = capacity[cap].union(bucketed) if cap in capacity else bucketed
-            items.setdefault(cap, []).append(item)
-        return [
-            (_compiled_cover(capacity[cap], self.devices, _any_steady(items[cap])), items[cap])
-            for cap in sorted(items)
-        ]
+        plan = []
+        while pending:
+            limit = self._limit(_whole_slices(pending[0][1].capacity.bucketed()))
+            items, pending = pending[:limit], pending[limit:]
+            # Other sizes bucketed (they select the compiled kernel); ops as they are, in whole slices.
+            longest = items[0][1].capacity.num_ops
+            capacity = functools.reduce(Capacity.union, (item[1].capacity.bucketed() for item in items))
+            capacity = dataclasses.replace(capacity, num_ops=longest)
+            plan.append((_compiled_cover(capacity, self.devices, _any_steady(items)), items))
+        return plan
 
     def _limit(self, capacity: Capacity) -> int:
+        """Most rows of one call: a call holds one slice of ops at a time (on the host
+        and on the device), so this does not depend on the programs' lengths."""
         n = len(self.devices)
-        rows = min(self.max_configs, max(1, self.max_bytes // row_bytes(capacity)))
+        rows = min(self.max_configs, max(1, self.max_bytes // row_bytes(_kernel_capacity(capacity))))
         return max(n, rows // n * n)
+
+    def _compile_ahead(self, capacity: Capacity, steady: bool) -> None:
+        """Starts compiling the kernel the sweep will most likely call, from its first row.
+
+        Its sizes are the first row's, raised to what later rows may need: the
+        most devices any row's cluster has, two streams each, and a few dozen finish slots (a
+        call of rows that need more compiles its own kernel then). Compiling
+        takes about a second, during which this thread prepares the rows.
+        """
+        # Rows with gradient overlap put communication on a second stream per device.
+        streams = max(2, capacity.num_resources // max(1, capacity.num_devices))
+        devices = max(capacity.num_devices, self.expected_devices)
+        floor = dataclasses.replace(
+            capacity,
+            finish_slots=max(capacity.finish_slots, _FINISH_SLOTS_AHEAD),
+            num_devices=devices,
+            num_resources=max(capacity.num_resources, devices * streams),
+        ).bucketed()
+        rows = min(self._limit(floor), max(_MIN_ROWS, 1 << max(0, self.expected_rows - 1).bit_length()))
+        n = len(self.devices)
+        _compiled_call(floor, -(-rows // n) * n, self.devices, steady)
 
     def _num_rows(self, chunk: list, capacity: Capacity) -> int:
         """Rows of the call that simulates ``chunk``: a few fixed counts, so calls share compiled shapes."""
@@ -431,6 +462,7 @@ class _Batcher:
 
     def _queue(self, items: list, capacity: Capacity) -> None:
         """Queues the calls that simulate ``items``; their kernels start compiling now."""
+        capacity = _whole_slices(capacity)
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]
@@ -444,9 +476,9 @@ class _Batcher:
         while self.queue and (wait or self.queue[0][2].future.done()):
             chunk, capacity, call, nbytes = self.queue.popleft()
             pairs = [(p, v) for _, p, v, _ in chunk]
-            program, hardware = stack_rows(pairs, capacity, call.num_rows)
+            rows = RowStack(pairs, capacity, call.num_rows)
             periods = stack_periods(pairs, capacity, call.num_rows) if _any_steady(chunk) else None
-            out = _run(call.result(), program, hardware, periods, self.devices)
+            out = _run(call.result(), rows, periods, self.devices)
             self.queued_bytes -= nbytes
             certified = out.pop("certified", np.ones(call.num_rows, bool))
             self.redo.extend(c for i, (c, *_) in enumerate(chunk) if not certified[i])
@@ -493,19 +525,34 @@ def _local_devices(shard: bool) -> list:
     return list(jax.local_devices()) if shard else [jax.local_devices()[0]]
 
 
-def _run(compiled, program, hardware, periods, devices) -> dict:
-    """One kernel call (``periods``: None for a call without steady programs); rows
-    are split over ``devices`` when there are several."""
-    inputs = (program, hardware) if periods is None else (program, hardware, periods)
-    inputs = jax.device_put(inputs, _config_sharding(tuple(devices)))
-    return {k: np.asarray(v) for k, v in compiled(*inputs).items()}
+def _run(call: tuple, rows: RowStack, periods, devices) -> dict:
+    """One kernel call, its ops in slices of ``_OP_CHUNK`` (``periods``: None for a
+    call without steady programs); rows are split over ``devices`` when there are several.
+
+    Calls are asynchronous: the host stacks the next slice of ops while the
+    kernel runs the last one.
+    """
+    begin, advance, end = call
+    rows_sharding = _config_sharding(tuple(devices))
+    put = lambda x: jax.device_put(x, rows_sharding)  # noqa: E731
+    hardware = put(rows.hardware)
+    chunk = put(rows.program(0, _OP_CHUNK))
+    state, rates = begin(chunk, hardware)
+    for lo in range(0, rows.capacity.num_ops, _OP_CHUNK):
+        chunk = put(rows.program(lo, lo + _OP_CHUNK)) if lo else chunk
+        weight = () if periods is None else (put(periods["op_weight"][:, lo : lo + _OP_CHUNK]),)
+        state = advance(state, rates, chunk, *weight)
+    tail = () if periods is None else (put({k: v for k, v in periods.items() if k != "op_weight"}),)
+    return {k: np.asarray(v) for k, v in end(state, chunk, hardware, *tail).items()}
 
 
-def _config_sharding(devices: tuple):
-    """Rows split over ``devices`` (a one-device call stays on its device, whatever the default)."""
+def _config_sharding(devices: tuple, configs_last: bool = False):
+    """Rows split over ``devices`` (a one-device call stays on its device, whatever the default);
+    ``configs_last``: for the kernel's timeline, whose arrays put configurations last."""
     if len(devices) == 1:
         return SingleDeviceSharding(devices[0])
-    return NamedSharding(Mesh(np.asarray(devices), (CONFIG_AXIS,)), PartitionSpec(CONFIG_AXIS))
+    spec = PartitionSpec(None, CONFIG_AXIS) if configs_last else PartitionSpec(CONFIG_AXIS)
+    return NamedSharding(Mesh(np.asarray(devices), (CONFIG_AXIS,)), spec)
 
 
 @dataclasses.dataclass
@@ -530,7 +577,9 @@ _COMPILED: dict[tuple, concurrent.futures.Future] = {}
 
 def _compiled_call(capacity: Capacity, num_rows: int, devices: list, steady: bool) -> _Call:
     """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new
-    (``steady``: the variant that extrapolates short steady programs)."""
+    (``steady``: the variant that extrapolates short steady programs). The kernel
+    runs ``_OP_CHUNK`` ops at a time, so one compiled call serves every op count."""
+    capacity = _kernel_capacity(capacity)
     key = (_target(devices, steady), capacity, num_rows)
     future = _COMPILED.get(key)
     if future is None or (future.done() and future.exception() is not None):  # retry failures
@@ -539,29 +588,25 @@ def _compiled_call(capacity: Capacity, num_rows: int, devices: list, steady: boo
     return _Call(num_rows, future)
 
 
-def _compiled_op_capacities(pending: Capacity, devices: list, steady: bool) -> set[int]:
-    """Op capacities compiled (or compiling) for ``devices`` whose other sizes hold ``pending``'s.
+def _kernel_capacity(capacity: Capacity) -> Capacity:
+    """What a compiled call depends on: every size but the op count (one slice of ops)."""
+    return dataclasses.replace(capacity, num_ops=_OP_CHUNK)
 
-    Only these surely save a compile when a call of ``pending`` rows picks them.
-    """
-    others = dataclasses.replace(pending, num_ops=0)
-    target = _target(devices, steady)
-    return {key[1].num_ops for key in _COMPILED if key[0] == target and _holds(key[1], others)}
+
+def _whole_slices(capacity: Capacity) -> Capacity:
+    """``capacity`` with its op count rounded up to whole slices of ``_OP_CHUNK`` ops."""
+    return dataclasses.replace(capacity, num_ops=-(-capacity.num_ops // _OP_CHUNK) * _OP_CHUNK)
 
 
 def _compiled_cover(capacity: Capacity, devices: list, steady: bool) -> Capacity:
-    """A compiled capacity of the same op count that holds ``capacity``, else ``capacity``.
+    """``capacity``, padded to the device and slot counts of a compiled call that holds it, if any.
 
     Padding a call to a compiled kernel's device and slot counts costs less than a compile.
     """
-    covers = [
-        key[1]
-        for key in _COMPILED
-        if key[0] == _target(devices, steady)
-        and key[1].num_ops == capacity.num_ops
-        and _holds(key[1], capacity)
-    ]
-    return min(covers, key=Capacity.sizes, default=capacity)
+    target, kernel = _target(devices, steady), _kernel_capacity(capacity)
+    covers = [key[1] for key in _COMPILED if key[0] == target and _holds(key[1], kernel)]
+    cover = min(covers, key=Capacity.sizes, default=kernel)
+    return dataclasses.replace(cover, num_ops=capacity.num_ops)
 
 
 def _target(devices: list, steady: bool) -> tuple:
@@ -577,7 +622,8 @@ def _holds(outer: Capacity, inner: Capacity) -> bool:
 
 def _compiled_row_counts(capacity: Capacity, devices: list, steady: bool) -> list[int]:
     """Row counts with a kernel compiled (or compiling) for ``capacity`` on ``devices``."""
-    return [key[2] for key in _COMPILED if key[:2] == (_target(devices, steady), capacity)]
+    key = (_target(devices, steady), _kernel_capacity(capacity))
+    return [k[2] for k in _COMPILED if k[:2] == key]
 
 
 def _any_steady(items) -> bool:
@@ -586,81 +632,100 @@ def _any_steady(items) -> bool:
     return any(item[1].steady is not None for item in items)
 
 
-def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool, steady: bool):
+def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool, steady: bool) -> tuple:
+    """The three executables of a call: begin, advance (one slice of ops), end."""
     with jax.enable_x64(x64):
-        program, hardware, periods = row_shapes(capacity, num_rows, _config_sharding(devices))
-        shapes = (program, hardware, periods) if steady else (program, hardware)
-        return _runner(devices, steady).lower(*shapes).compile()
+        rows_sharding = _config_sharding(devices)
+        program, hardware, periods = row_shapes(capacity, num_rows, rows_sharding)
+        begin, advance, end = _runner(devices, steady)
+        state, rates = jax.eval_shape(begin, program, hardware)
+        last = _config_sharding(devices, configs_last=True)
+        state = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=last), state)
+        rates = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows_sharding), rates
+        )
+        weight = (periods["op_weight"],) if steady else ()
+        tail = ({k: v for k, v in periods.items() if k != "op_weight"},) if steady else ()
+        return (
+            begin.lower(program, hardware).compile(),
+            advance.lower(state, rates, program, *weight).compile(),
+            end.lower(state, program, hardware, *tail).compile(),
+        )
 
 
 @functools.cache
-def _runner(devices: tuple, steady: bool):
+def _runner(devices: tuple, steady: bool) -> tuple:
+    """``(begin, advance, end)``, jitted; over several devices, each runs on its slice of the rows."""
+    functions = (_begin_rows, _advance_rows, _end_rows)
     if len(devices) == 1:
-        return jax.jit(_simulate_rows)
-    spec = PartitionSpec(CONFIG_AXIS)
+        return tuple(jax.jit(f) for f in functions)
+    rows, last = PartitionSpec(CONFIG_AXIS), PartitionSpec(None, CONFIG_AXIS)
+    state = Timeline(last, last, last, last)  # the kernel keeps configurations last
+    in_specs = (
+        (rows, rows),
+        (state, rows, rows) + ((rows,) if steady else ()),
+        (state, rows, rows) + ((rows,) if steady else ()),
+    )
+    out_specs = ((state, rows), state, rows)
     mesh = Mesh(np.asarray(devices), (CONFIG_AXIS,))
     # The kernel starts its scan from fresh (unvarying) zeros; per-device slices never
     # communicate, so the varying-axis check has nothing to protect here.
-    specs = (spec, spec, spec) if steady else (spec, spec)
-    sharded = jax.shard_map(_simulate_rows, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)
-    return jax.jit(sharded)
+    return tuple(
+        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=False))
+        for f, i, o in zip(functions, in_specs, out_specs, strict=True)
+    )
 
 
 def _simulate_rows(program, hardware, periods=None) -> dict:
-    """Kernel plus the compute / communication / bubble breakdown, ``[B]`` each.
+    """Kernel plus the compute / communication / bubble breakdown, ``[B]`` each, of whole programs.
+
+    A sweep's call runs the same three steps with the ops in slices
+    (:func:`_run`); see :func:`_end_rows` for ``periods``.
+    """
+    state, rates = _begin_rows(program, hardware)
+    weight = () if periods is None else (periods["op_weight"],)
+    state = _advance_rows(state, rates, program, *weight)
+    return _end_rows(state, program, hardware, periods)
+
+
+def _begin_rows(program, hardware):
+    """A call's zero timeline (tracking the compute part of busy time), and its
+    hardware as cost-model rows."""
+    num_rows = hardware.peak_flops.shape[0]
+    num_resources = program.resource_device.shape[-1]
+    state = start_timeline(num_resources, program.num_finish_slots, num_rows, split_compute=True)
+    return state, hardware_rows(hardware, per_config_structure=True)
+
+
+def _advance_rows(state, rates, program, op_weight=None):
+    """Runs one slice of every row's ops (``op_weight``: how many times the long
+    program runs each op, for the busy and compute totals)."""
+    return run_ops(state, program, rates, weights=op_weight)[0]
+
+
+def _end_rows(state, program, hardware, periods=None) -> dict:
+    """Step time, status and the compute / communication / bubble breakdown on
+    the busiest device, ``[B]`` each.
 
     With ``periods`` (:func:`~search._programs.stack_periods`), a short steady
     program's row reports its long program (see
     :mod:`~distir_jax.transforms.coarse_steady`): the step time grows by ``r``
     times the period's clock shift, its ops count ``1 + r`` times in the
-    breakdown, and ``certified`` says whether the shift was the same on every
-    resource (rows where it was not need their long program).
+    breakdown (the ``op_weight`` of :func:`_advance_rows`), and ``certified``
+    says whether the shift was the same on every resource (rows where it was
+    not need their long program).
     """
-    sim = simulate(program, hardware)
+    sim = conclude(state, program, hardware)
     num_rows, num_devices = hardware.peak_flops.shape
-    dtype = sim.step_time.dtype
-    slot_dev = program.slot_device  # [B, N, K]
-    slot_ok = program.resource >= 0
-    first = jnp.maximum(slot_dev[..., 0], 0)  # the kernel costs an op by its first device
-    pair = program.link[..., 0] * num_devices + program.link[..., 1]
-    # The same speeds op_seconds gets in the kernel (reciprocals, see distir_jax.cost).
-    speeds = (
-        jnp.take_along_axis(1.0 / hardware.peak_flops, first, axis=1),
-        jnp.take_along_axis(1.0 / hardware.memory_bandwidth, first, axis=1),
-        hardware.launch_overhead[:, None],
-        jnp.take_along_axis(
-            inverse_bandwidth(jnp, hardware.link_bandwidth.reshape(num_rows, -1)), pair, axis=1
-        ),
-        jnp.take_along_axis(hardware.link_latency.reshape(num_rows, -1), pair, axis=1),
-    )
-    features = {name: getattr(program, name) for name in COST_FEATURES}
-    zeros = jnp.zeros_like(program.flops)
-    # The cost model adds a compute and a communication part; evaluating it
-    # with one part's features zeroed gives the other.
-    compute = op_seconds(jnp, {k: zeros if k in _COMM_FEATURES else v for k, v in features.items()}, *speeds)
-    comm = op_seconds(jnp, {k: v if k in _COMM_FEATURES else zeros for k, v in features.items()}, *speeds)
-    rows = jnp.arange(num_rows)[:, None, None]
-
-    def charge(seconds, where, size):  # [B, N] per op -> [B, size], on each of the op's slots
-        charged = jnp.where(slot_ok, seconds[..., None], 0.0).astype(dtype)
-        return (
-            jnp.zeros((num_rows, size), dtype)
-            .at[rows, jnp.where(slot_ok, where, size)]
-            .add(charged, mode="drop")
-        )
-
-    step_time, busy = sim.step_time, sim.busy_time
+    step_time, busy = sim.step_time, sim.busy_time  # [B], [B, R]
     certified = jnp.ones(num_rows, bool)
     if periods is not None:
-        weight = periods["op_weight"].astype(dtype)
-        extra = periods["extra_periods"].astype(dtype)
+        extra = periods["extra_periods"].astype(step_time.dtype)
         step_time, certified = _extrapolate(sim, periods, extra)
-        # The period's other copies keep its resources busy r more times.
-        busy = busy + charge((compute + comm) * (weight - 1.0), program.resource, busy.shape[1])
-        compute, comm = compute * weight, comm * weight
-    compute_dev = charge(compute, slot_dev, num_devices)
-    comm_dev = charge(comm, slot_dev, num_devices)
-    busy_dev = compute_dev + comm_dev
+    # A resource's busy time, compute part and rest, summed over each device's streams.
+    on_device = jax.nn.one_hot(program.resource_device, num_devices, dtype=busy.dtype)  # [B, R, D]
+    busy_dev = jnp.einsum("br,brd->bd", busy, on_device)
+    compute_dev = jnp.einsum("br,brd->bd", state.compute.T, on_device)
     busiest = jnp.argmax(busy_dev, axis=1)
     pick = lambda x: jnp.take_along_axis(x, busiest[:, None], axis=1)[:, 0]  # noqa: E731
     on_busiest = program.resource_device == busiest[:, None]
@@ -669,7 +734,7 @@ def _simulate_rows(program, hardware, periods=None) -> dict:
         "step_time": step_time,
         "status": sim.status,
         "compute": pick(compute_dev),
-        "communication": pick(comm_dev),
+        "communication": pick(busy_dev - compute_dev),
         "bubble": jnp.maximum(step_time - stream_busy, 0.0),
         "certified": certified,
     }

@@ -93,16 +93,18 @@ def test_one_compiled_kernel_serves_many_structural_keys(swept, monkeypatch):
     configs, _ = swept
     subset = [c for c in configs if c.model == "mlp-xs" and c.world_size <= 2 and not c.zero]
     assert len({c.structural_key() for c in subset if c.valid}) > 5
-    shapes = []
+    capacities = []
     run = evaluate_module._run
 
-    def spy(compiled, program, hardware, periods, devices):
-        shapes.append(tuple(np.shape(x) for x in jax.tree_util.tree_leaves((program, hardware, periods))))
-        return run(compiled, program, hardware, periods, devices)
+    def spy(call, rows, periods, devices):
+        capacities.append(rows.capacity)
+        return run(call, rows, periods, devices)
 
     monkeypatch.setattr(evaluate_module, "_run", spy)
+    monkeypatch.setattr(evaluate_module, "_COMPILED", {})
     evaluate(subset, progress=False)
-    assert len(set(shapes)) == 1  # every call has the same shapes: one compile
+    assert len(evaluate_module._COMPILED) == 1  # one compile
+    assert len({c.num_ops for c in capacities}) > 1 or len(capacities) == 1
 
 
 @pytest.mark.parametrize("max_bytes", [200_000, 60_000])
@@ -239,22 +241,22 @@ def test_compiled_capacities_are_reused_when_cheaper():
     assert costly_rows == [1024]
 
 
-def test_only_compiled_kernels_that_hold_the_rows_count_as_free(monkeypatch):
+def test_a_compiled_kernel_serves_rows_of_any_length_that_fit_its_other_sizes(monkeypatch):
     def cap(num_ops, num_devices):
         return Capacity(num_ops, 2, 1, 64, num_devices, 2 * num_devices)
 
+    chunk = evaluate_module._OP_CHUNK
     devices = [jax.local_devices()[0]]
     target = evaluate_module._target(devices, False)
-    fake = {(target, cap(4096, 8), 32): None, (target, cap(8192, 16), 32): None}
-    monkeypatch.setattr(evaluate_module, "_COMPILED", fake)
-    # Rows on 16 devices cannot run in the 8-device kernel: only 8192 is free for them.
-    assert evaluate_module._compiled_op_capacities(cap(1000, 16), devices, False) == {8192}
-    assert evaluate_module._compiled_op_capacities(cap(1000, 4), devices, False) == {4096, 8192}
+    monkeypatch.setattr(evaluate_module, "_COMPILED", {(target, cap(chunk, 8), 32): None})
+    # A call runs its ops a slice at a time: any op count fits the compiled kernel.
     assert evaluate_module._compiled_cover(cap(4096, 4), devices, False) == cap(4096, 8)
-    assert evaluate_module._compiled_cover(cap(4096, 16), devices, False) == cap(4096, 16)  # none holds it
+    assert evaluate_module._compiled_cover(cap(300 * chunk, 8), devices, False) == cap(300 * chunk, 8)
+    # Rows on 16 devices cannot run in the 8-device kernel.
+    assert evaluate_module._compiled_cover(cap(4096, 16), devices, False) == cap(4096, 16)
     # Steady programs need the kernel variant that extrapolates them: none is compiled.
-    assert evaluate_module._compiled_op_capacities(cap(1000, 4), devices, True) == set()
     assert evaluate_module._compiled_cover(cap(4096, 4), devices, True) == cap(4096, 4)
+    assert evaluate_module._compiled_row_counts(cap(4096, 8), devices, False) == [32]
 
 
 def test_compiled_kernels_are_kept_apart_by_float_width():
@@ -275,5 +277,5 @@ def test_a_sweep_under_x64_compiles_its_kernel_for_x64():
     assert narrow["step_time_s"] == pytest.approx(wide["step_time_s"], rel=1e-5)
     keys = [key for key in evaluate_module._COMPILED if key[0][1]]
     assert keys and all(
-        evaluate_module._COMPILED[k].result().out_info["step_time"].dtype == np.float64 for k in keys
+        evaluate_module._COMPILED[k].result()[2].out_info["step_time"].dtype == np.float64 for k in keys
     )
