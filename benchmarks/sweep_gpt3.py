@@ -12,9 +12,13 @@ batched kernel.
 
 End to end means: enumerate the space, measure one fine transformer block per
 (tensor degree, recompute policy), build one program template per structural
-key, fill every configuration's tables, then simulate in a few batched kernel
-calls (programs of similar size padded to one capacity; per-row structure and
-features are expanded from the templates inside the jitted call).
+key, fill every configuration's tables, then simulate in batched kernel
+calls. One compiled kernel serves every call: it runs 128 rows (configurations
+of similar program length) ``_OP_CHUNK`` ops at a time, carrying the timeline
+from slice to slice (:func:`distir_jax.kernel.run_ops`), and expands each
+row's ops from its template inside the jitted call. It compiles in a
+background thread while the host builds tables. Peak memory needs no
+timeline: the host computes it per template, vectorized over its rows.
 
     python benchmarks/sweep_gpt3.py            # the whole space
     python benchmarks/sweep_gpt3.py --quick    # a deterministic subsample, < 40 s
@@ -32,15 +36,16 @@ steady period stands for the rest (:mod:`distir_jax.transforms.coarse_steady`),
 where that at least halves it: ~2.6e7 ops in all. The kernel runs in float64
 here, so the period's certificate (every resource's clock moves by the same
 amount) holds to ~1e-12; a row that fails it is simulated at full length.
-Where the time goes on a 2-core CPU: compiling the kernel (~3-4 s per op
-capacity, a few capacities), the kernel (~2.5e-7 s per op-row), and the
-host building templates and tables (overlapped with the kernel: calls are
-asynchronous).
+Where the time goes on a 2-core CPU (~10 s in all): the host measuring
+blocks and filling chunk tables (~2.5 s), steady templates (~1 s), then
+templates, tables and peak memory per call, overlapped with the kernel
+(~1.3e-7 s per op-row at 128 rows; calls are asynchronous).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import platform
@@ -52,7 +57,14 @@ import numpy as np
 
 from distir_jax.cost import COST_FEATURES
 from distir_jax.hardware import Hardware
-from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, simulate
+from distir_jax.kernel import (
+    STATUS_OK,
+    STATUS_OUT_OF_MEMORY,
+    conclude,
+    hardware_rows,
+    run_ops,
+    start_timeline,
+)
 from distir_jax.lower import Program
 from distir_jax.models import get_model_config
 from distir_jax.presets import get_preset
@@ -66,7 +78,6 @@ from distir_jax.transforms.coarse import (
     template_size,
 )
 from distir_jax.transforms.coarse_steady import extrapolate, steady_template, worth_it
-from search._programs import choose_capacities
 
 MODEL = "gpt3-175b"
 PRESET = "dgx-a100-80gb:64"
@@ -81,13 +92,14 @@ _MEMORY_ROWS = 3 * _MAX_CHUNKS + _MAX_STAGES + 3
 _PERIOD_RESOURCES = 2 * _MAX_STAGES
 # Largest relative error the steady-state certificate's bound may allow (float64 kernel).
 _STEADY_RTOL = 1e-9
-# Most op-rows (ops x configurations) one kernel call holds: bounds its memory.
-_OP_ROWS_PER_CALL = 1 << 22
-_MAX_ROWS_PER_CALL = 1024
-# Cost model for choosing op capacities: kernel seconds per padded op-row, and
-# seconds to compile one more kernel shape (measured on the 2-core VM).
-_SECONDS_PER_OP_ROW = 2.5e-7
-_SECONDS_PER_COMPILE = 4.0
+# One compiled kernel serves the whole sweep: every call has these shapes. It
+# runs its rows' programs _OP_CHUNK ops at a time (carrying the timeline), so
+# programs of any length share it; rows are sorted by length into calls.
+_OP_CHUNK = 512
+_ROWS_PER_CALL = 128
+_TEMPLATES_PER_CALL = 128
+_MAX_SLOTS = 512  # finish slots (a template has at most ~n + 2p + a period's certificate)
+_DEPS_PER_OP = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,73 +167,124 @@ def enumerate_space(model, world: int = 64, global_batch: int = GLOBAL_BATCH) ->
     return configs
 
 
-def _template_arrays(template, n_cap: int, steady=None) -> dict:
-    """A template's per-op index arrays, padded to ``n_cap`` ops (padding: no resource, zero rows).
+def _template_arrays(template, steady=None) -> dict:
+    """A template's per-op index arrays, cut into ``[chunks, _OP_CHUNK, ...]`` slices
+    of ops (padded past its end, packed: see :func:`_pack`), and its memory events.
 
-    With ``steady`` (a :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`
-    of ``template``), also its period: the ops whose finishes are each
-    resource's clock before and after it (finish slots), and each memory event's part.
+    Memory events are sorted by stage (see coarse_program.stage_peak_memory):
+    ``index`` points into a row's flattened ``[_MEMORY_ROWS, 2]`` alloc and free
+    tables, ``first`` is the first event of its stage, ``part`` its part of a
+    steady template (see :func:`_stage_peaks`); ``starts`` / ``stages``: where
+    each stage's events begin, and which stage it is. With ``steady`` (a
+    :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`), also the
+    period's finish slots: each resource's clock before and after it.
     """
-    n = template.num_ops
+    if template.num_slots > _MAX_SLOTS or template.dep_slot.shape[1] != _DEPS_PER_OP:
+        raise ValueError(
+            f"template {template.num_slots} finish slots / {template.dep_slot.shape[1]} deps per op: "
+            f"the kernel is compiled for <= {_MAX_SLOTS} / {_DEPS_PER_OP}"
+        )
+    n, c = template.num_ops, _OP_CHUNK
+    chunks = -(-n // c)
     cost_row, memory_row = template.rows
-    perm, stage = template.stage_events
-    out = {}
+    ops = {}
     for name, value, fill in (
         ("cost_row", cost_row, -1),  # -1: the table's last row, all zeros
-        ("memory_row", memory_row, -1),
         ("stage", template.stage, -1),
         ("stream", template.stream, 0),
         ("link_kind", template.link_kind, 0),
         ("dep_slot", template.dep_slot, -1),
         ("out_slot", template.out_slot, -1),
     ):
-        array = np.full((n_cap,) + value.shape[1:], fill, np.int32)
+        array = np.full((chunks * c,) + value.shape[1:], fill, np.int32)
         array[:n] = value
-        out[name] = array
-    # Memory events sorted by stage (see stage_peak_memory); padding goes to a dropped segment.
-    events = len(perm)
-    out["event_perm"] = np.zeros(2 * n_cap, np.int32)
-    out["event_perm"][:events] = perm
-    out["event_stage"] = np.full(2 * n_cap, _MAX_STAGES, np.int32)
-    out["event_stage"][:events] = stage
-    out["event_first"] = np.zeros(2 * n_cap, np.int32)
-    out["event_first"][:events] = np.searchsorted(stage, stage)
+        ops[name] = array.reshape((chunks, c) + value.shape[1:])
+    perm, stage = template.stage_events
+    memory_row = np.where(memory_row >= 0, memory_row, _MEMORY_ROWS - 1)  # -1: the all-zero row
+    starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]]) if len(stage) else np.zeros(0, np.int64)
+    events = dict(
+        index=2 * memory_row[perm // 2] + perm % 2,
+        first=np.searchsorted(stage, stage),
+        part=np.asarray(steady.event_part[: len(perm)]) if steady is not None else np.zeros(len(perm), int),
+        starts=starts,
+        stages=stage[starts],
+    )
+    out = dict(ops=_pack(ops), events=events)
     out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
-    out["event_part"] = np.zeros(2 * n_cap, np.int32)
     if steady is not None:
         if len(steady.resources) > _PERIOD_RESOURCES:
             raise ValueError(f"a period uses {len(steady.resources)} resources, > {_PERIOD_RESOURCES}")
         out["period_before"][: len(steady.before)] = steady.before
         out["period_after"][: len(steady.after)] = steady.after
-        out["event_part"][:events] = steady.event_part
     return out
 
 
-def _stage_peaks(tmpl, tid, alloc, free, resident, periods):
-    """Peak bytes of each stage's device: lower.peak_memory's rule on stage-sorted events.
+def _stage_peaks(events: dict, alloc, free, resident, periods) -> np.ndarray:
+    """Peak bytes ``[rows, _MAX_STAGES]`` of each stage's device, for rows of one template.
 
-    A steady template's period stands for ``1 + periods`` copies: each moves the
-    stage's running bytes by its net over the period (see coarse_program.stage_peak_memory).
+    lower.peak_memory's rule on the stage-sorted events: an event's rise is
+    the stage's bytes before it plus what it allocates. A steady template's
+    period stands for ``1 + periods`` copies, each moving the stage's bytes by
+    its net over the period (see coarse_program.stage_peak_memory); its events
+    are in three parts (before, inside and after the period).
     """
-    perm = tmpl["event_perm"][tid]
-    memory_row = tmpl["memory_row"][tid]
-    stage = tmpl["event_stage"][tid]
-    part = tmpl["event_part"][tid]
-    a = alloc[memory_row].reshape(-1)[perm]
-    delta = a - free[memory_row].reshape(-1)[perm]
-    running = jnp.cumsum(delta) - delta
-    within = running - running[tmpl["event_first"][tid]]
-    net = jax.ops.segment_sum(jnp.where(part == 1, delta, 0.0), stage, _MAX_STAGES + 1)
-    moved = periods * net[stage]
-    within = within + jnp.where(part == 1, jnp.maximum(moved, 0.0), jnp.where(part == 2, moved, 0.0))
-    rise = jax.ops.segment_max(within + a, stage, _MAX_STAGES + 1)[:_MAX_STAGES]
-    return resident + jnp.maximum(rise, 0.0)
+    out = np.array(resident, np.float64)
+    if not len(events["index"]):
+        return out
+    a = alloc[:, events["index"]]
+    delta = a - free[:, events["index"]]
+    before = np.cumsum(delta, axis=1) - delta
+    value = before - before[:, events["first"]] + a
+    part, starts = events["part"], events["starts"]
+    if not part.any():  # not a steady template: one part
+        out[:, events["stages"]] += np.maximum(np.maximum.reduceat(value, starts, axis=1), 0.0)
+        return out
+    rise = [np.maximum.reduceat(np.where(part == k, value, -np.inf), starts, axis=1) for k in range(3)]
+    moved = periods[:, None] * np.add.reduceat(np.where(part == 1, delta, 0.0), starts, axis=1)
+    rise = np.maximum(rise[0], np.maximum(rise[1] + np.maximum(moved, 0.0), rise[2] + moved))
+    out[:, events["stages"]] += np.maximum(rise, 0.0)
+    return out
+
+
+def _pack(arrays: dict) -> np.ndarray:
+    """Per-op fields as one int32 array ``[..., C, 7]`` (one transfer per slice)."""
+    column = lambda name: arrays[name].reshape(arrays[name].shape[:2] + (-1,))  # noqa: E731
+    return np.concatenate([column(k) for k in _OP_KEYS], axis=-1)
+
+
+def _unpack(ops) -> dict:
+    """:func:`_pack`'s fields again, ``[..., C]`` (``stage [..., C, 2]``), inside jit."""
+    return dict(
+        cost_row=ops[..., 0],
+        stage=ops[..., 1:3],
+        stream=ops[..., 3],
+        link_kind=ops[..., 4],
+        dep_slot=ops[..., 5:6],
+        out_slot=ops[..., 6],
+    )
+
+
+_OP_KEYS = ("cost_row", "stage", "stream", "link_kind", "dep_slot", "out_slot")
+
+
+def _padding_slice() -> np.ndarray:
+    """One slice of a template past its end: no ops (packed)."""
+    c = _OP_CHUNK
+    arrays = dict(
+        cost_row=np.full(c, -1, np.int32),
+        stage=np.full((c, 2), -1, np.int32),
+        stream=np.zeros(c, np.int32),
+        link_kind=np.zeros(c, np.int32),
+        dep_slot=np.full((c, _DEPS_PER_OP), -1, np.int32),
+        out_slot=np.full(c, -1, np.int32),
+    )
+    return _pack({k: v[None] for k, v in arrays.items()})[0]
 
 
 def _expand_row(tmpl, tid, cost, device, tp_link, dp_link):
-    """One configuration's structure on real devices, and its features (inside jit)."""
-    stage = tmpl["stage"][tid]  # [N, 2]
+    """One configuration's slice of ops on real devices, and its features (inside jit)."""
+    stage = tmpl["stage"][tid]  # [C, 2]
     s = jnp.maximum(stage, 0)
     slot_device = jnp.where(stage >= 0, device[s], -1)
     stream = jnp.stack([tmpl["stream"][tid], jnp.zeros_like(tmpl["stream"][tid])], axis=1)
@@ -236,55 +299,106 @@ def _expand_row(tmpl, tid, cost, device, tp_link, dp_link):
     return resource, slot_device, link, cost[tmpl["cost_row"][tid]]
 
 
-@jax.jit
-def _peak_call(tmpl, rows):
-    """Peak bytes (largest over stages) of every row."""
-    peaks = jax.vmap(functools.partial(_stage_peaks, tmpl))(
-        rows["tid"], rows["alloc"], rows["free"], rows["resident"], rows["periods"]
-    )
-    return peaks.max(axis=1)
+def _begin_call(rows, hardware):
+    num_rows, num_devices = rows["tid"].shape[0], hardware.peak_flops.shape[-1]
+    state = start_timeline(2 * num_devices, _MAX_SLOTS, num_rows)
+    return state, hardware_rows(hardware, per_config_structure=True)
 
 
-@functools.partial(jax.jit, static_argnames=("num_slots",))
-def _simulate_call(tmpl, rows, hardware, num_slots):
-    """Expands every row's program from the templates and simulates them in one kernel call."""
-    num_devices = hardware.peak_flops.shape[-1]
-    stage_peak = jax.vmap(functools.partial(_stage_peaks, tmpl))(
-        rows["tid"], rows["alloc"], rows["free"], rows["resident"], rows["periods"]
-    )
+def _advance_call(state, rates, rows, ops):
+    """One slice of every row's ops, expanded from its template."""
+    tmpl = _unpack(ops)
+    tid = rows["tid"]
     resource, slot_device, link, features = jax.vmap(functools.partial(_expand_row, tmpl))(
-        rows["tid"], rows["cost"], rows["device"], rows["tp_link"], rows["dp_link"]
+        tid, rows["cost"], rows["device"], rows["tp_link"], rows["dp_link"]
     )
-    on_device = jnp.where(rows["device"] >= 0, rows["device"], num_devices)
     num_rows, n = features.shape[:2]
-    scatter = jax.vmap(lambda where, x: jnp.zeros(num_devices).at[where].set(x, mode="drop"))
     zeros = jnp.zeros((num_rows, n), features.dtype)  # coarse ops have no roofline part left
+    placeholder = jnp.zeros((1, 1))
     program = Program(
         resource=resource.astype(jnp.int32),
         slot_device=slot_device.astype(jnp.int32),
-        dep_slot=tmpl["dep_slot"][rows["tid"]],
-        out_slot=tmpl["out_slot"][rows["tid"]],
+        dep_slot=tmpl["dep_slot"][tid],
+        out_slot=tmpl["out_slot"][tid],
         link=link.astype(jnp.int32),
         is_comm=jnp.zeros(n, bool),
-        resource_device=jnp.repeat(jnp.arange(num_devices, dtype=jnp.int32), 2),
+        resource_device=jnp.zeros(state.clock.shape[0], jnp.int32),  # not read; its size is
         num_ops=jnp.full(num_rows, n, jnp.int32),
-        alloc_bytes=jnp.zeros((1, 1)),
-        free_bytes=jnp.zeros((1, 1)),
-        resident_bytes=scatter(on_device, rows["resident"]),
-        peak_bytes=scatter(on_device, stage_peak),
-        num_finish_slots=num_slots,
+        alloc_bytes=placeholder,
+        free_bytes=placeholder,
+        resident_bytes=placeholder,
+        peak_bytes=placeholder,
+        num_finish_slots=_MAX_SLOTS,
         **{
             name: (zeros if name in ("flops", "mem_bytes") else features[..., i])
             for i, name in enumerate(COST_FEATURES)
         },
     )
-    result = simulate(program, hardware)
-    # Steady rows: the long program's time from the clocks around the period.
-    before, after = tmpl["period_before"][rows["tid"]], tmpl["period_after"][rows["tid"]]
-    step_time, certified = extrapolate(
-        result.finish_slots, before, after, rows["periods"], result.step_time, _STEADY_RTOL, xp=jnp
+    return run_ops(state, program, rates)[0]
+
+
+def _end_call(state, rows, hardware):
+    """Step time (a steady row's long program's, from the clocks around its period),
+    status (with the stages' peak bytes, computed on the host) and whether the period is certified."""
+    num_devices = hardware.peak_flops.shape[-1]
+    on_device = jnp.where(rows["device"] >= 0, rows["device"], num_devices)
+    scatter = jax.vmap(lambda where, x: jnp.zeros(num_devices).at[where].set(x, mode="drop"))
+    per_device = Program(
+        **{name: None for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm")},
+        resource_device=None,
+        num_ops=None,
+        alloc_bytes=None,
+        free_bytes=None,
+        resident_bytes=scatter(on_device, rows["resident"]),
+        peak_bytes=scatter(on_device, rows["stage_peak"]),
+        num_finish_slots=_MAX_SLOTS,
+        **{name: None for name in COST_FEATURES},
     )
-    return step_time, result.status, stage_peak.max(axis=1), certified
+    result = conclude(state, per_device, hardware)
+    step_time, certified = extrapolate(
+        result.finish_slots,
+        rows["period_before"],
+        rows["period_after"],
+        rows["periods"],
+        result.step_time,
+        _STEADY_RTOL,
+        xp=jnp,
+    )
+    return step_time, result.status, certified
+
+
+class _Kernel:
+    """The compiled call, one shape for the whole sweep (compiled in a background thread
+    from the start: XLA releases the GIL, so the host meanwhile builds tables)."""
+
+    def __init__(self, hardware):
+        self.future = _COMPILER.submit(self._compile, hardware)
+
+    @staticmethod
+    def _compile(hardware):
+        with jax.enable_x64(True):  # a `with` does not reach other threads
+            rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _empty_rows(_ROWS_PER_CALL).items()}
+            pad = _padding_slice()
+            ops = jax.ShapeDtypeStruct((_TEMPLATES_PER_CALL,) + pad.shape, pad.dtype)
+            hw = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float64), hardware)
+            state, rates = jax.eval_shape(_begin_call, rows, hw)
+            return (
+                jax.jit(_begin_call).lower(rows, hw).compile(),
+                jax.jit(_advance_call).lower(state, rates, rows, ops).compile(),
+                jax.jit(_end_call).lower(state, rows, hw).compile(),
+            )
+
+    def __call__(self, rows, slices, hardware):
+        """Issues one call (asynchronously); ``slices`` yields its templates' slices of ops."""
+        begin, advance, end = self.future.result()
+        rows = jax.device_put(rows)
+        state, rates = begin(rows, hardware)
+        for ops in slices:
+            state = advance(state, rates, rows, jax.device_put(ops))
+        return end(state, rows, hardware)
+
+
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-compile")
 
 
 def _subsample(configs: list, every: int) -> list:
@@ -357,64 +471,78 @@ def _empty_rows(num_rows: int) -> dict:
         device=np.full((num_rows, _MAX_STAGES), -1, np.int32),
         tp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
         dp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
+        period_before=np.full((num_rows, _PERIOD_RESOURCES), -1, np.int32),
+        period_after=np.full((num_rows, _PERIOD_RESOURCES), -1, np.int32),
+        stage_peak=np.zeros((num_rows, _MAX_STAGES), np.float64),
     )
 
 
-def _buckets(sizes) -> list[int]:
-    """Op capacities (multiples of 256) that minimize padded kernel work plus compiles."""
-    return choose_capacities(
-        sizes, seconds_per_op_row=_SECONDS_PER_OP_ROW, seconds_per_compile=_SECONDS_PER_COMPILE
-    )
+def _calls(ids, template_of, size_of) -> list[np.ndarray]:
+    """Configuration ids of each kernel call: longest programs first, so a call's
+    rows have similar lengths (little padded work); at most ``_ROWS_PER_CALL``
+    rows and ``_TEMPLATES_PER_CALL`` templates per call."""
+    ids = sorted(ids, key=lambda i: (-size_of[i], template_of[i]))
+    calls, current, used = [], [], set()
+    for i in ids:
+        if len(current) == _ROWS_PER_CALL or (
+            template_of[i] not in used and len(used) == _TEMPLATES_PER_CALL
+        ):
+            calls.append(np.asarray(current))
+            current, used = [], set()
+        current.append(i)
+        used.add(template_of[i])
+    if current:
+        calls.append(np.asarray(current))
+    return calls
 
 
-def _calls(ids, template_of, size_of, caps):
-    """Kernel calls: ``(capacity, rows, configuration ids)``.
+def _run(calls, template_of, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, periods):
+    """Builds templates on first use, fills every call and issues it; returns
+    ``[(ids, stage peaks, result)]`` (no result without a ``kernel``: peaks only).
 
-    Within a capacity, configurations of one template are together, and the
-    templates of one pipeline (differing in data-parallel mode only) are
-    adjacent, so each pipeline's schedule and issue order is built once.
+    Calls run asynchronously, so building the next templates, slices and peaks
+    on the host overlaps the kernel running the previous ones. ``short`` maps
+    the keys of steady templates to their SteadyTemplate; ``periods`` gives
+    each configuration's extra periods (0 for a long template).
     """
-    ids = sorted(ids, key=lambda i: (template_of[i][:4], template_of[i][4]))
-    out = []
-    for lo, cap in zip([0] + caps[:-1], caps, strict=True):
-        members = [i for i in ids if lo < size_of[i] <= cap]
-        if not members:
-            continue
-        per_call = max(1, min(_MAX_ROWS_PER_CALL, _OP_ROWS_PER_CALL // cap))
-        rows = min(per_call, 1 << (len(members) - 1).bit_length())
-        out += [(cap, rows, np.asarray(members[s : s + rows])) for s in range(0, len(members), rows)]
-    return out
-
-
-def _run(calls, template_of, rows: _Rows, run, short: dict, periods: np.ndarray):
-    """Builds templates on first use, fills and issues every call; returns ``[(ids, result)]``.
-
-    Calls run asynchronously, so building the next templates and rows on the
-    host overlaps the kernel running the previous call. ``short`` maps the
-    keys of steady templates to their SteadyTemplate; ``periods`` gives each
-    configuration's extra periods (0 for a long template).
-    """
-    templates, padded, width = {}, {}, {}
-    for cap, _, ids in calls:
-        width[cap] = max(width.get(cap, 1), len({template_of[i] for i in ids}))
+    templates, pad = {}, _padding_slice()
     issued = []
-    for cap, num_rows, ids in calls:
+    for ids in calls:
         used = list(dict.fromkeys(template_of[i] for i in ids))
         for key in used:
-            if (key, cap) not in padded:
-                if key not in templates:
-                    templates[key] = short[key].template if key in short else pipeline_template(*key[:5])
-                padded[(key, cap)] = _template_arrays(templates[key], cap, short.get(key))
-        stack = [padded[(key, cap)] for key in used] + [padded[(used[0], cap)]] * (width[cap] - len(used))
-        tmpl = {name: np.stack([t[name] for t in stack]) for name in stack[0]}
-        out = _empty_rows(num_rows)
+            if key not in templates:
+                template = short[key].template if key in short else pipeline_template(*key[:5])
+                templates[key] = _template_arrays(template, short.get(key))
+        arrays = [templates[key] for key in used]
+        out = _empty_rows(_ROWS_PER_CALL)
         index = {key: u for u, key in enumerate(used)}
-        out["tid"][: len(ids)] = [index[template_of[i]] for i in ids]
+        tid = out["tid"][: len(ids)] = [index[template_of[i]] for i in ids]
         out["periods"][: len(ids)] = periods[ids]
+        out["period_before"][: len(ids)] = [arrays[t]["period_before"] for t in tid]
+        out["period_after"][: len(ids)] = [arrays[t]["period_after"] for t in tid]
         rows.fill(ids, out)
+        alloc = out["alloc"].reshape(_ROWS_PER_CALL, -1)
+        free = out["free"].reshape(_ROWS_PER_CALL, -1)
+        for t, a in enumerate(arrays):
+            members = np.flatnonzero(out["tid"][: len(ids)] == t)
+            out["stage_peak"][members] = _stage_peaks(
+                a["events"], alloc[members], free[members], out["resident"][members], out["periods"][members]
+            )
         for name in out:  # padding rows repeat the first
             out[name][len(ids) :] = out[name][0]
-        issued.append((ids, run(tmpl, out, cap)))
+        peaks = out["stage_peak"][: len(ids)].max(axis=1)
+        if kernel is None:
+            issued.append((ids, peaks, None))
+            continue
+        chunks = max(len(a["ops"]) for a in arrays)
+        slices = (
+            np.stack(
+                [a["ops"][j] if j < len(a["ops"]) else pad for a in arrays]
+                + [pad] * (_TEMPLATES_PER_CALL - len(arrays))
+            )
+            for j in range(chunks)
+        )
+        issued.append((ids, peaks, kernel(out, slices, hardware)))
     return issued
 
 
@@ -439,7 +567,7 @@ def gpt3_configs_per_second(
       program sizes as simulated), ``simulated`` timelines, ``steady`` (of
       them from a short template), ``uncertified`` (short runs redone long),
       ``fit`` (within memory), ``seconds`` end to end, ``configs_per_second``,
-      ``capacities`` (kernel op capacities), ``best`` (the fastest fitting
+      ``calls`` (kernel calls), ``best`` (the fastest fitting
       configuration, its step time and peak memory), ``phases`` (seconds per
       phase), and per configuration ``step_time``, ``peak`` and ``status``.
     """
@@ -462,6 +590,9 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
             f"evaluating {len(configs)}",
             flush=True,
         )
+    # The kernel's shapes are fixed: it compiles (in the background) while the host builds tables.
+    hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
+    kernel = _Kernel(hardware)
     rows = _Rows(model, topology, configs)
     phases["features"] = time.perf_counter() - begin
     tick = time.perf_counter()
@@ -482,31 +613,20 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     steady_rows = int((periods > 0).sum())
     phases["steady templates"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     step_time = np.full(len(configs), np.inf)
     status = np.full(len(configs), -1, np.int64)
     peak = np.full(len(configs), np.nan)
     capacity = float(topology.memory_capacity.max())
 
-    def sizes(ids):  # (ops, finish slots) of each configuration's kernel template
-        return [
-            (short[key].template.num_ops, short[key].template.num_slots)
-            if key in short
-            else template_size(*key[:3], key[4])
-            for key in (template_of[i] for i in ids)
-        ]
-
-    def calls_for(ids, caps=None):
-        size = dict(zip(ids, (n for n, _ in sizes(ids)), strict=True))
-        caps = _buckets(list(size.values())) if caps is None else caps
-        return caps, _calls(ids, template_of, size, caps)
+    def size(i):  # ops of a configuration's kernel template
+        key = template_of[i]
+        return short[key].template.num_ops if key in short else template_size(*key[:3], key[4])[0]
 
     todo = list(range(len(configs)))
     if fit_only:
-        _, calls = calls_for(todo)
-        issued = _run(calls, template_of, rows, lambda tmpl, out, cap: _peak_call(tmpl, out), short, periods)
-        for ids, result in issued:
-            peak[ids] = jax.device_get(result)[: len(ids)]
+        calls = _calls(todo, template_of, {i: size(i) for i in todo})
+        for ids, peaks, _ in _run(calls, template_of, rows, None, hardware, short, periods):
+            peak[ids] = peaks
         todo = [i for i in todo if peak[i] <= capacity]
         status[peak > capacity] = STATUS_OUT_OF_MEMORY
         phases["memory"] = time.perf_counter() - tick
@@ -514,35 +634,22 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
 
     def simulate_ids(ids):
         """Simulates configurations ``ids``; returns those whose period was not certified."""
-        if not ids:
-            return [], []
-        caps, calls = calls_for(ids)
-        slots: dict[int, int] = {}
-        for cap, _, members in calls:
-            slots[cap] = max([slots.get(cap, 1)] + [n for _, n in sizes(members)])
-        issued = _run(
-            calls,
-            template_of,
-            rows,
-            lambda tmpl, out, cap: _simulate_call(tmpl, out, hardware, slots[cap]),
-            short,
-            periods,
-        )
+        calls = _calls(ids, template_of, {i: size(i) for i in ids})
         redo = []
-        for members, result in issued:
-            times, codes, peaks, certified = (x[: len(members)] for x in jax.device_get(result))
+        for members, peaks, result in _run(calls, template_of, rows, kernel, hardware, short, periods):
+            times, codes, certified = (x[: len(members)] for x in jax.device_get(result))
             step_time[members], status[members], peak[members] = times, codes, peaks
             redo += [int(i) for i in members[~certified]]
-        return caps, redo
+        return len(calls), redo
 
-    caps, redo = simulate_ids(todo)
-    simulated_ops = sum(n for n, _ in sizes(todo))
+    num_calls, redo = simulate_ids(todo)
+    simulated_ops = sum(size(i) for i in todo)
     phases["simulate"] = time.perf_counter() - tick
     if redo:  # short runs whose period had not settled: the long templates
         tick = time.perf_counter()
         for i in redo:
             template_of[i], periods[i] = long_of[i] + (False,), 0
-        simulated_ops += sum(n for n, _ in sizes(redo))
+        simulated_ops += sum(size(i) for i in redo)
         simulate_ids(redo)
         phases["uncertified, long"] = time.perf_counter() - tick
     total = time.perf_counter() - begin
@@ -560,7 +667,7 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
         fit=int(fit.sum()),
         seconds=total,
         configs_per_second=len(configs) / total,
-        capacities=caps,
+        calls=num_calls,
         best=None
         if best is None
         else dict(
@@ -615,13 +722,6 @@ def product_configs_per_second(quick: bool) -> dict:
     )
 
 
-def _tune(rows_per_call: int, op_rows_per_call: int, seconds_per_op_row: float) -> None:
-    """Call sizes and the capacity cost model; the defaults are sized for a 2-core CPU."""
-    global _MAX_ROWS_PER_CALL, _OP_ROWS_PER_CALL, _SECONDS_PER_OP_ROW
-    _MAX_ROWS_PER_CALL, _OP_ROWS_PER_CALL = rows_per_call, op_rows_per_call
-    _SECONDS_PER_OP_ROW = seconds_per_op_row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every 8th configuration only")
@@ -635,35 +735,19 @@ def main() -> None:
         help="also simulate every pipeline at full length and compare (slow)",
     )
     parser.add_argument(
-        "--rows-per-call", type=int, default=_MAX_ROWS_PER_CALL, help="most configurations per kernel call"
-    )
-    parser.add_argument(
-        "--op-rows-per-call", type=int, default=_OP_ROWS_PER_CALL, help="most ops x configurations per call"
-    )
-    parser.add_argument(
-        "--seconds-per-op-row",
-        type=float,
-        default=_SECONDS_PER_OP_ROW,
-        help="kernel cost per padded op-row, for choosing capacities (accelerators: lower)",
-    )
-    parser.add_argument(
         "--product",
         action="store_true",
         help="also run the space through search.evaluate (the product's engine, exact overlap)",
     )
     args = parser.parse_args()
-    _tune(args.rows_per_call, args.op_rows_per_call, args.seconds_per_op_row)
     print(f"# {platform.node()} {platform.machine()} jax {jax.__version__} devices={jax.devices()}")
-    print(
-        f"# rows/call {_MAX_ROWS_PER_CALL}, op-rows/call {_OP_ROWS_PER_CALL}, "
-        f"s/op-row {_SECONDS_PER_OP_ROW:g}, s/compile {_SECONDS_PER_COMPILE:g}"
-    )
+    print(f"# rows/call {_ROWS_PER_CALL}, templates/call {_TEMPLATES_PER_CALL}, ops/slice {_OP_CHUNK}")
     r = gpt3_configs_per_second(args.quick, fit_only=args.fit_only, steady=not args.no_steady)
     print(
         f"space: {r['space_configs']} configurations; evaluated {r['configs']} ({r['structural_keys']} "
         f"structural keys, {r['templates']} templates, {r['ops']:.3g} coarse ops simulated); "
         f"{r['simulated']} timelines, {r['steady']} of them from a short steady template "
-        f"({r['uncertified']} not certified, redone long); kernel capacities {r['capacities']}"
+        f"({r['uncertified']} not certified, redone long); {r['calls']} kernel calls"
     )
     print("phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
     print(

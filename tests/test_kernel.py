@@ -1,5 +1,7 @@
 """The batched kernel against the pure-Python reference simulator."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,10 +9,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
 from distir_jax.executor.reference import reference_simulate
 from distir_jax.hardware import Hardware, pad_hardware, stack_hardware
 from distir_jax.ir import FunctionBuilder, Topology
-from distir_jax.kernel import STATUS_INVALID, STATUS_OK, STATUS_OUT_OF_MEMORY, simulate
+from distir_jax.kernel import (
+    STATUS_INVALID,
+    STATUS_OK,
+    STATUS_OUT_OF_MEMORY,
+    conclude,
+    hardware_rows,
+    run_ops,
+    simulate,
+    start_timeline,
+)
 from distir_jax.lower import Capacity, lower, pad_program, stack_programs
 from distir_jax.testing.random_programs import random_function, random_functions
 
@@ -260,3 +272,87 @@ def test_random_size_variants_equal_each_size_alone(sizes):
         shared = result.step_time.shape[0] == 1
         for i, size in enumerate(sizes):
             assert_matches_reference(result, 0 if shared else i, _variant_program(size), topology, 1e-9)
+
+
+def _op_window(program, lo, hi):
+    """Ops ``lo .. hi`` of a stacked program (per-device arrays whole)."""
+    fields = ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm") + COST_FEATURES
+    return program.replace(**{name: np.asarray(getattr(program, name))[:, lo:hi] for name in fields})
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_ops_run_in_slices_give_the_same_timeline_as_one_run(shared):
+    # Sweeps run a program's ops a slice at a time, carrying the timeline.
+    rng = np.random.default_rng(11)
+    fns = [random_function(seed, 150, 4, 2, batch=8, hidden=16) for seed in range(4)]
+    topology = random_topology(rng, 4)
+    programs = [lower(fn, topology) for fn in fns[:1] if shared] or [lower(fn, topology) for fn in fns]
+    capacity = functools.reduce(Capacity.union, (p.capacity for p in programs)).bucketed()
+    stacked = stack_programs(programs * (4 if shared else 1), capacity)
+    hardware = pad_hardware(Hardware.from_topology(topology), capacity.num_devices)
+    with jax.enable_x64(True):
+        whole = simulate(stacked, hardware)
+        rows = hardware_rows(hardware, per_config_structure=True)
+        state = start_timeline(capacity.num_resources, capacity.finish_slots, 4)
+        cuts = np.unique(np.r_[0, rng.integers(1, capacity.num_ops, 5), capacity.num_ops])
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            state, _ = run_ops(state, _op_window(stacked, lo, hi), rows)
+        sliced = conclude(state, stacked, hardware)
+    np.testing.assert_array_equal(sliced.step_time, whole.step_time)
+    np.testing.assert_array_equal(sliced.busy_time, whole.busy_time)
+    np.testing.assert_array_equal(sliced.finish_slots, whole.finish_slots)
+    np.testing.assert_array_equal(sliced.status, whole.status)
+
+
+def test_weighted_busy_and_its_compute_part():
+    # Each op's seconds count `weight` times in busy time (not in the clocks), and
+    # the compute part is the cost model's with the communication features zeroed.
+    rng = np.random.default_rng(5)
+    fns = [random_function(seed, 120, 4, 2, batch=8, hidden=16) for seed in range(3)]
+    topology = random_topology(rng, 4)
+    programs = [lower(fn, topology) for fn in fns]
+    capacity = functools.reduce(Capacity.union, (p.capacity for p in programs)).bucketed()
+    stacked = stack_programs(programs, capacity)
+    hardware = pad_hardware(Hardware.from_topology(topology), capacity.num_devices)
+    weights = rng.integers(1, 5, (3, capacity.num_ops)).astype(np.float64)
+    with jax.enable_x64(True):
+        rows = hardware_rows(hardware, per_config_structure=True)
+        start = start_timeline(capacity.num_resources, capacity.finish_slots, 3, split_compute=True)
+        state, _ = run_ops(start, stacked, rows, weights=weights)
+        plain = simulate(stacked, hardware)
+        comm_zeroed = stacked.replace(
+            comm_volume=np.zeros_like(stacked.comm_volume), comm_hops=np.zeros_like(stacked.comm_hops)
+        )
+        compute_only, _ = run_ops(start, comm_zeroed, rows, weights=weights)
+        np.testing.assert_array_equal(conclude(state, stacked, hardware).step_time, plain.step_time)
+    # Busy time per resource: each slot's cost, weighted.
+    resource = np.asarray(stacked.resource)
+    for name, got in (("busy", state.busy), ("compute", state.compute)):
+        expected = np.zeros_like(np.asarray(got))
+        seconds = _slot_seconds(stacked, hardware, comm=name == "busy")
+        for b in range(3):
+            for k in range(resource.shape[2]):
+                on = resource[b, :, k] >= 0
+                np.add.at(expected[:, b], resource[b, on, k], (seconds[b] * weights[b])[on])
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-12, atol=1e-300, err_msg=name)
+    np.testing.assert_allclose(np.asarray(state.compute), np.asarray(compute_only.busy), rtol=1e-12)
+
+
+def _slot_seconds(program, hardware, comm: bool):
+    """Each op's seconds ``[B, N]`` by the cost model (without its communication part unless ``comm``)."""
+    features = {name: np.asarray(getattr(program, name), np.float64) for name in COST_FEATURES}
+    if not comm:
+        features["comm_volume"] = np.zeros_like(features["comm_volume"])
+        features["comm_hops"] = np.zeros_like(features["comm_hops"])
+    first = np.maximum(np.asarray(program.slot_device)[..., 0], 0)
+    link = np.asarray(program.link)
+    bandwidth = np.asarray(hardware.link_bandwidth)[link[..., 0], link[..., 1]]
+    return op_seconds(
+        np,
+        features,
+        1.0 / np.asarray(hardware.peak_flops)[first],
+        1.0 / np.asarray(hardware.memory_bandwidth)[first],
+        float(hardware.launch_overhead),
+        inverse_bandwidth(np, bandwidth),
+        np.asarray(hardware.link_latency)[link[..., 0], link[..., 1]],
+    )
