@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--chunk-size",
         type=_positive_int,
-        default=4096,
-        help="most configurations per kernel call (default: 4096)",
+        default=None,
+        help="most configurations per kernel call (default: 256 on CPU, 4096 on accelerators)",
     )
     s.add_argument(
         "--chunk-memory",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -182,23 +182,48 @@ class RowStack:
             }
         )
 
+        self._concatenate(items)
+
+    def _concatenate(self, items) -> None:
+        """Every distinct program's op arrays end to end (structure per program, features
+        per program and size variant), each ending in one padding op: a window of
+        every row is then one gather per field."""
+        fields = _row_fields(self.capacity, 1, 1)
+        index = {id(p): m for m, (p, _, _) in enumerate(self.members)}
+        sources: dict[tuple[int, int], int] = {}
+        row_source = np.asarray([sources.setdefault((index[id(p)], v), len(sources)) for p, v in items])
+        lengths = [int(np.shape(p.program.resource)[0]) for p, _, _ in self.members]
+        self._flat = {}
+        for name in _OP_FIELDS:
+            shape, dtype, fill = fields[name]
+            if name in _OP_FEATURES:
+                parts = []
+                for m, v in sources:
+                    x = np.asarray(getattr(self.members[m][0].program, name))
+                    parts.append(x[v] if x.ndim > 1 else x)
+            else:
+                parts = [np.asarray(getattr(p.program, name)) for p, _, _ in self.members]
+            flat = np.full((sum(len(x) for x in parts) + 1, *shape[2:]), fill, dtype)
+            at = 0
+            for x in parts:
+                flat[(slice(at, at + len(x)), *(slice(0, m) for m in x.shape[1:]))] = x
+                at += len(x)
+            self._flat[name] = flat
+        member_of = np.asarray([index[id(p)] for p, _ in items])
+        self._length = np.asarray(lengths)[member_of]
+        self._start = np.cumsum([0] + lengths)[member_of]
+        source_lengths = [lengths[m] for m, _ in sources]
+        self._feature_start = np.cumsum([0] + source_lengths)[row_source]
+
     def program(self, lo: int, hi: int) -> Program:
         """The rows' ops ``lo .. hi`` (padding past each program's end), with the per-device arrays."""
-        arrays = {}
-        for name, (shape, dtype, fill) in _row_fields(self.capacity, self.num_rows, hi - lo).items():
-            if name in _OP_FIELDS:
-                arrays[name] = np.full(shape, fill, dtype)
-        for prepared, rows, variants in self.members:
-            prog = prepared.program
-            for name in _OP_FIELDS:
-                x = np.asarray(getattr(prog, name))
-                if name in _OP_FEATURES and x.ndim > 1:
-                    x = x[variants]  # [rows, N]: one size variant per row
-                    target = (rows, slice(0, max(0, min(hi, x.shape[1]) - lo)))
-                    arrays[name][target] = x[:, lo:hi]
-                    continue
-                window = x[lo:hi]
-                arrays[name][(rows, *(slice(0, m) for m in window.shape))] = window
+        at = np.arange(lo, hi)[None, :]
+        inside = at < self._length[:, None]
+        where = {
+            False: np.where(inside, self._start[:, None] + at, len(self._flat["resource"]) - 1),
+            True: np.where(inside, self._feature_start[:, None] + at, len(self._flat["flops"]) - 1),
+        }
+        arrays = {name: np.take(self._flat[name], where[name in _OP_FEATURES], axis=0) for name in _OP_FIELDS}
         placeholder = np.zeros((self.num_rows, 1, 1), np.float32)
         return Program(
             **arrays,
@@ -288,53 +313,3 @@ def row_shapes(capacity: Capacity, num_rows: int, sharding=None):
         name: spec(shape, dtype) for name, (shape, dtype, _) in _period_fields(capacity, num_rows).items()
     }
     return program, hardware, periods
-
-
-def choose_capacities(
-    sizes: Sequence[int],
-    *,
-    seconds_per_op_row: float,
-    seconds_per_compile: float,
-    granularity: int = 256,
-    compiled: Collection[int] = (),
-) -> list[int]:
-    """Op capacities (multiples of ``granularity``) minimizing padded kernel work plus compiles.
-
-    A dynamic program over the sorted distinct sizes: each capacity costs one
-    compile, and every configuration it serves costs its padded op rows.
-
-    Args:
-      sizes: the op count of every configuration to simulate.
-      seconds_per_op_row: kernel seconds per padded (op, configuration) pair.
-      seconds_per_compile: seconds to compile one more kernel shape.
-      granularity: capacities are multiples of this.
-      compiled: capacities whose kernels are compiled already (no compile cost).
-
-    Returns:
-      Ascending capacities; a configuration runs in the smallest one that holds it.
-    """
-    rounded = -(-np.asarray(sizes, np.int64) // granularity) * granularity
-    values, counts = np.unique(rounded, return_counts=True)
-    free = np.asarray(sorted(compiled), np.int64)
-    below = np.concatenate([[0], np.cumsum(counts)])
-    best = np.full(len(values) + 1, np.inf)  # best[j]: cost of covering values[:j]
-    best[0] = 0.0
-    cut = np.zeros(len(values) + 1, np.int64)
-    chosen = np.zeros(len(values) + 1, np.int64)
-    for j in range(1, len(values) + 1):
-        i = np.arange(j)  # one capacity for values[i:j]: values[j - 1], or a compiled one above it
-        rows = below[j] - below[i]
-        options = [
-            (int(values[j - 1]), best[i] + rows * values[j - 1] * seconds_per_op_row + seconds_per_compile)
-        ]
-        above = int(np.searchsorted(free, values[j - 1]))
-        if above < len(free):
-            options.append((int(free[above]), best[i] + rows * free[above] * seconds_per_op_row))
-        chosen[j], cost = min(options, key=lambda option: option[1].min())
-        cut[j] = int(np.argmin(cost))
-        best[j] = cost[cut[j]]
-    caps, j = set(), len(values)
-    while j > 0:
-        caps.add(int(chosen[j]))
-        j = cut[j]
-    return sorted(caps)

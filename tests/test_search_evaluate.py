@@ -1,7 +1,7 @@
 """Batched sweeps against the reference simulator; sharding, resuming and compile reuse."""
 
+import functools
 import importlib
-import itertools
 import os
 import subprocess
 import sys
@@ -17,7 +17,7 @@ from distir_jax.executor.reference import reference_simulate  # noqa: E402
 from distir_jax.lower import Capacity  # noqa: E402
 from distir_jax.models import TransformerConfig  # noqa: E402
 from search import ResultTable, StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
-from search._programs import choose_capacities  # noqa: E402
+from search._programs import RowStack, stack_rows  # noqa: E402
 
 # `search.evaluate` the module (the package re-exports the function of that name).
 evaluate_module = importlib.import_module("search.evaluate")
@@ -204,41 +204,26 @@ def test_sharded_and_unsharded_tables_are_identical():
     assert "SHARDED_OK" in done.stdout
 
 
-def _capacity_cost(caps, sizes, compiled, per_row, per_compile):
-    """Padded kernel work plus compiles when each size runs in the smallest capacity holding it."""
-    caps = sorted(caps)
-    rows = sum(caps[int(np.searchsorted(caps, s))] for s in sizes)
-    return rows * per_row + sum(c not in compiled for c in caps) * per_compile
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_chosen_capacities_cost_the_least_of_all_choices(seed):
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(1, 12, size=rng.integers(1, 12)) * 256 - rng.integers(0, 256)
-    compiled = {int(c) * 256 for c in rng.choice(np.arange(1, 14), size=rng.integers(0, 3), replace=False)}
-    per_row, per_compile = 1e-4, float(rng.choice([0.01, 0.1, 1.0]))
-    caps = choose_capacities(
-        sizes, seconds_per_op_row=per_row, seconds_per_compile=per_compile, compiled=compiled
-    )
-    assert caps == sorted(set(caps)) and caps[-1] >= sizes.max()
-    # Every set of candidates (the rounded sizes and the compiled capacities) that holds the largest size.
-    candidates = sorted({int(-(-s // 256) * 256) for s in sizes} | compiled)
-    best = min(
-        _capacity_cost(subset, sizes, compiled, per_row, per_compile)
-        for r in range(1, len(candidates) + 1)
-        for subset in itertools.combinations(candidates, r)
-        if max(subset) >= sizes.max()
-    )
-    assert _capacity_cost(caps, sizes, compiled, per_row, per_compile) == pytest.approx(best, rel=1e-12)
-
-
-def test_compiled_capacities_are_reused_when_cheaper():
-    sizes = [1000] * 4
-    fresh = choose_capacities(sizes, seconds_per_op_row=1e-6, seconds_per_compile=1.0)
-    reused = choose_capacities(sizes, seconds_per_op_row=1e-6, seconds_per_compile=1.0, compiled={4096})
-    assert fresh == [1024] and reused == [4096]  # padding 4 rows costs less than one compile
-    costly_rows = choose_capacities(sizes, seconds_per_op_row=1.0, seconds_per_compile=1.0, compiled={4096})
-    assert costly_rows == [1024]
+def test_row_windows_equal_the_whole_stack(swept):
+    # A call stacks its rows' ops a window at a time: the windows, end to end,
+    # are the whole stack (programs of several lengths, size variants, padding rows).
+    configs, _ = swept
+    subset = [c for c in configs if c.valid and c.model == "mlp-xs" and c.world_size <= 4][:40]
+    items = []
+    for group in evaluate_module._groups(subset):
+        for _, prepared, variant, reason in evaluate_module._prepare_group(group, {}):
+            if not reason:
+                items.append((prepared, variant))
+    assert len({id(p) for p, _ in items}) > 3 and len({p.capacity.num_ops for p, _ in items}) > 1
+    capacity = functools.reduce(Capacity.union, (p.capacity for p, _ in items)).bucketed()
+    program, _ = stack_rows(items, capacity, len(items) + 3)
+    rows = RowStack(items, capacity, len(items) + 3)
+    cut = capacity.num_ops // 3
+    for lo, hi in ((0, cut), (cut, capacity.num_ops)):
+        window = rows.program(lo, hi)
+        for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "flops"):
+            whole = np.asarray(getattr(program, name))[:, lo:hi]
+            np.testing.assert_array_equal(getattr(window, name), whole, err_msg=name)
 
 
 def test_a_compiled_kernel_serves_rows_of_any_length_that_fit_its_other_sizes(monkeypatch):
