@@ -108,12 +108,12 @@ def _scatter(table, idx, values, add=False):
     return (ref.add(values, mode="drop") if add else ref.set(values, mode="drop")).reshape(x, b)
 
 
-def _configs_last(x, base_rank):
+def _configs_last(x, base_rank, xp=jnp):
     """``[B, *base]`` -> ``[*base, B]``; unbatched ``[*base]`` -> ``[*base, 1]``."""
-    x = jnp.asarray(x)
+    x = xp.asarray(x)
     if x.ndim == base_rank:
         return x[..., None]
-    return jnp.moveaxis(x, 0, -1)
+    return xp.moveaxis(x, 0, -1)
 
 
 def batch_size(program: Program, hardware: Hardware, costs=None) -> int:
@@ -161,23 +161,25 @@ class HardwareRows:
     num_devices: int = dataclasses.field(metadata=dict(static=True))
 
 
-def hardware_rows(hardware: Hardware, per_config_structure: bool) -> HardwareRows:
-    """The cost model's hardware numbers for :func:`run_ops` (computed once per batch)."""
+def hardware_rows(hardware: Hardware, per_config_structure: bool, xp=jnp) -> HardwareRows:
+    """The cost model's hardware numbers for :func:`run_ops` (computed once per batch;
+    ``xp=numpy`` computes them on the host, in the kernel's float type)."""
     dtype = jnp.result_type(float)
-    hw = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), hardware)
+    hw = jax.tree_util.tree_map(lambda x: xp.asarray(x, dtype), hardware)
     num_devices = hw.peak_flops.shape[-1]
     pairs = num_devices * num_devices
-    table = jnp.concatenate(
+    last = functools.partial(_configs_last, xp=xp)
+    table = xp.concatenate(
         [
-            1.0 / _configs_last(hw.peak_flops, 1),
-            1.0 / _configs_last(hw.memory_bandwidth, 1),
-            inverse_bandwidth(jnp, _configs_last(hw.link_bandwidth, 2).reshape(pairs, -1)),
-            _configs_last(hw.link_latency, 2).reshape(pairs, -1),
+            1.0 / last(hw.peak_flops, 1),
+            1.0 / last(hw.memory_bandwidth, 1),
+            inverse_bandwidth(xp, last(hw.link_bandwidth, 2).reshape(pairs, -1)),
+            last(hw.link_latency, 2).reshape(pairs, -1),
         ]
     )  # [2D + 2D^2, Bh]
     # Per-configuration structure reads rows along each configuration's own
     # axis (CPU gathers along the last axis are ~5x cheaper than across configurations).
-    launch = _configs_last(hw.launch_overhead, 0)
+    launch = last(hw.launch_overhead, 0)
     return HardwareRows(table.T if per_config_structure else table, launch, num_devices)
 
 
@@ -204,7 +206,7 @@ def op_speeds(program: Program, rows: HardwareRows) -> tuple:
 
 
 def start_timeline(
-    num_resources: int, num_slots: int, batch: int, *, split_compute: bool = False
+    num_resources: int, num_slots: int, batch: int, *, split_compute: bool = False, xp=jnp
 ) -> Timeline:
     """All clocks, finish slots and busy times at zero, for :func:`run_ops`.
 
@@ -212,7 +214,7 @@ def start_timeline(
     cost model's compute part (the rest is communication).
     """
     dtype = jnp.result_type(float)
-    zeros = lambda n: jnp.zeros((n, batch), dtype)  # noqa: E731
+    zeros = lambda n: xp.zeros((n, batch), dtype)  # noqa: E731
     return Timeline(zeros(num_resources), zeros(num_slots), zeros(num_resources), None)._replace(
         compute=zeros(num_resources) if split_compute else None
     )
@@ -413,19 +415,23 @@ def conclude(
     valid: jax.Array | None = None,
     *,
     temperature: float | None = None,
+    xp=jnp,
 ) -> SimResult:
     """The results once every op has run: step time, busy time, peak memory
-    (the program's ``peak_bytes``) and status. Reads only ``program``'s per-device arrays."""
+    (the program's ``peak_bytes``) and status. Reads only ``program``'s per-device
+    arrays. ``xp=numpy`` concludes on the host (exact semantics only)."""
+    if xp is not jnp and temperature is not None:
+        raise ValueError("a smooth (temperature) timeline concludes inside jax only")
     num_devices = program.resident_bytes.shape[-1]
     b = state.clock.shape[1]
     dtype = state.clock.dtype
-    step_time = _max(state.clock, 0, temperature)
-    capacity = _configs_last(jnp.asarray(hardware.memory_capacity, dtype), 1)
-    capacity = jnp.broadcast_to(capacity, (num_devices, b))
-    peak = jnp.broadcast_to(_configs_last(program.peak_bytes, 1).astype(dtype), (num_devices, b))
-    oom = jnp.any(peak > capacity, axis=0)
-    ok = jnp.isfinite(step_time) & jnp.all(jnp.isfinite(peak), axis=0)
+    step_time = _max(state.clock, 0, temperature) if xp is jnp else xp.max(state.clock, axis=0)
+    capacity = _configs_last(xp.asarray(hardware.memory_capacity, dtype), 1, xp)
+    capacity = xp.broadcast_to(capacity, (num_devices, b))
+    peak = xp.broadcast_to(_configs_last(program.peak_bytes, 1, xp).astype(dtype), (num_devices, b))
+    oom = xp.any(peak > capacity, axis=0)
+    ok = xp.isfinite(step_time) & xp.all(xp.isfinite(peak), axis=0)
     if valid is not None:
-        ok = ok & jnp.broadcast_to(jnp.asarray(valid, bool), (b,))
-    status = jnp.where(ok, jnp.where(oom, STATUS_OUT_OF_MEMORY, STATUS_OK), STATUS_INVALID).astype(jnp.int32)
+        ok = ok & xp.broadcast_to(xp.asarray(valid, bool), (b,))
+    status = xp.where(ok, xp.where(oom, STATUS_OUT_OF_MEMORY, STATUS_OK), STATUS_INVALID).astype(xp.int32)
     return SimResult(step_time, peak.T, state.busy.T, status, finish_slots=state.finish.T)

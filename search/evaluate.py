@@ -536,25 +536,26 @@ def _local_devices(shard: bool) -> list:
     return list(jax.local_devices()) if shard else [jax.local_devices()[0]]
 
 
-def _run(call: tuple, rows: RowStack, periods, devices) -> dict:
+def _run(advance, rows: RowStack, periods, devices) -> dict:
     """One kernel call, its ops in slices of ``_OP_CHUNK`` (``periods``: None for a
     call without steady programs); rows are split over ``devices`` when there are several.
 
+    Only the slices run in jax (one compiled kernel per sweep); the zero
+    timeline before them and the results after them are computed on the host.
     Calls are asynchronous: the host stacks the next slice of ops while the
     kernel runs the last one.
     """
-    begin, advance, end = call
-    rows_sharding = _config_sharding(tuple(devices))
-    put = lambda x: jax.device_put(x, rows_sharding)  # noqa: E731
-    hardware = put(rows.hardware)
-    chunk = put(rows.program(0, _OP_CHUNK))
-    state, rates = begin(chunk, hardware)
+    shard = _config_sharding(tuple(devices))
+    first = rows.program(0, _OP_CHUNK)
+    begin, rates = _begin_rows(first, rows.hardware, xp=np)
+    state = jax.device_put(begin, _config_sharding(tuple(devices), configs_last=True))
+    rates = jax.device_put(rates, shard)
     for lo in range(0, rows.capacity.num_ops, _OP_CHUNK):
-        chunk = put(rows.program(lo, lo + _OP_CHUNK)) if lo else chunk
-        weight = () if periods is None else (put(periods["op_weight"][:, lo : lo + _OP_CHUNK]),)
-        state = advance(state, rates, chunk, *weight)
-    tail = () if periods is None else (put({k: v for k, v in periods.items() if k != "op_weight"}),)
-    return {k: np.asarray(v) for k, v in end(state, chunk, hardware, *tail).items()}
+        chunk = first if lo == 0 else rows.program(lo, lo + _OP_CHUNK)
+        weight = () if periods is None else (periods["op_weight"][:, lo : lo + _OP_CHUNK],)
+        state = advance(state, rates, *jax.device_put((chunk, *weight), shard))
+    state = jax.tree_util.tree_map(np.asarray, state)
+    return _end_rows(state, first, rows.hardware, periods, xp=np)
 
 
 def _config_sharding(devices: tuple, configs_last: bool = False):
@@ -643,48 +644,32 @@ def _any_steady(items) -> bool:
     return any(item[1].steady is not None for item in items)
 
 
-def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool, steady: bool) -> tuple:
-    """The three executables of a call: begin, advance (one slice of ops), end."""
+def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool, steady: bool):
+    """The kernel of a call: one slice of ops (:func:`_advance_rows`), compiled."""
     with jax.enable_x64(x64):
-        rows_sharding = _config_sharding(devices)
-        program, hardware, periods = row_shapes(capacity, num_rows, rows_sharding)
-        begin, advance, end = _runner(devices, steady)
-        state, rates = jax.eval_shape(begin, program, hardware)
+        rows = _config_sharding(devices)
+        program, hardware, periods = row_shapes(capacity, num_rows, rows)
+        state, rates = jax.eval_shape(_begin_rows, program, hardware)
         last = _config_sharding(devices, configs_last=True)
         state = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=last), state)
-        rates = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows_sharding), rates
-        )
+        rates = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), rates)
         weight = (periods["op_weight"],) if steady else ()
-        tail = ({k: v for k, v in periods.items() if k != "op_weight"},) if steady else ()
-        return (
-            begin.lower(program, hardware).compile(),
-            advance.lower(state, rates, program, *weight).compile(),
-            end.lower(state, program, hardware, *tail).compile(),
-        )
+        return _runner(devices, steady).lower(state, rates, program, *weight).compile()
 
 
 @functools.cache
-def _runner(devices: tuple, steady: bool) -> tuple:
-    """``(begin, advance, end)``, jitted; over several devices, each runs on its slice of the rows."""
-    functions = (_begin_rows, _advance_rows, _end_rows)
+def _runner(devices: tuple, steady: bool):
+    """:func:`_advance_rows`, jitted; over several devices, each runs its slice of the rows."""
     if len(devices) == 1:
-        return tuple(jax.jit(f) for f in functions)
+        return jax.jit(_advance_rows)
     rows, last = PartitionSpec(CONFIG_AXIS), PartitionSpec(None, CONFIG_AXIS)
     state = Timeline(last, last, last, last)  # the kernel keeps configurations last
-    in_specs = (
-        (rows, rows),
-        (state, rows, rows) + ((rows,) if steady else ()),
-        (state, rows, rows) + ((rows,) if steady else ()),
-    )
-    out_specs = ((state, rows), state, rows)
+    in_specs = (state, rows, rows) + ((rows,) if steady else ())
     mesh = Mesh(np.asarray(devices), (CONFIG_AXIS,))
     # The kernel starts its scan from fresh (unvarying) zeros; per-device slices never
     # communicate, so the varying-axis check has nothing to protect here.
-    return tuple(
-        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=False))
-        for f, i, o in zip(functions, in_specs, out_specs, strict=True)
-    )
+    sharded = jax.shard_map(_advance_rows, mesh=mesh, in_specs=in_specs, out_specs=state, check_vma=False)
+    return jax.jit(sharded)
 
 
 def _simulate_rows(program, hardware, periods=None) -> dict:
@@ -699,13 +684,13 @@ def _simulate_rows(program, hardware, periods=None) -> dict:
     return _end_rows(state, program, hardware, periods)
 
 
-def _begin_rows(program, hardware):
+def _begin_rows(program, hardware, xp=jnp):
     """A call's zero timeline (tracking the compute part of busy time), and its
-    hardware as cost-model rows."""
+    hardware as cost-model rows (``xp=numpy``: on the host)."""
     num_rows = hardware.peak_flops.shape[0]
     num_resources = program.resource_device.shape[-1]
-    state = start_timeline(num_resources, program.num_finish_slots, num_rows, split_compute=True)
-    return state, hardware_rows(hardware, per_config_structure=True)
+    state = start_timeline(num_resources, program.num_finish_slots, num_rows, split_compute=True, xp=xp)
+    return state, hardware_rows(hardware, per_config_structure=True, xp=xp)
 
 
 def _advance_rows(state, rates, program, op_weight=None):
@@ -714,7 +699,7 @@ def _advance_rows(state, rates, program, op_weight=None):
     return run_ops(state, program, rates, weights=op_weight)[0]
 
 
-def _end_rows(state, program, hardware, periods=None) -> dict:
+def _end_rows(state, program, hardware, periods=None, xp=jnp) -> dict:
     """Step time, status and the compute / communication / bubble breakdown on
     the busiest device, ``[B]`` each.
 
@@ -724,37 +709,37 @@ def _end_rows(state, program, hardware, periods=None) -> dict:
     times the period's clock shift, its ops count ``1 + r`` times in the
     breakdown (the ``op_weight`` of :func:`_advance_rows`), and ``certified``
     says whether the shift was the same on every resource (rows where it was
-    not need their long program).
+    not need their long program). ``xp=numpy``: on the host.
     """
-    sim = conclude(state, program, hardware)
+    sim = conclude(state, program, hardware, xp=xp)
     num_rows, num_devices = hardware.peak_flops.shape
     step_time, busy = sim.step_time, sim.busy_time  # [B], [B, R]
-    certified = jnp.ones(num_rows, bool)
+    certified = xp.ones(num_rows, bool)
     if periods is not None:
         extra = periods["extra_periods"].astype(step_time.dtype)
-        step_time, certified = _extrapolate(sim, periods, extra)
+        step_time, certified = _extrapolate(sim, periods, extra, xp)
     # A resource's busy time, compute part and rest, summed over each device's streams.
-    on_device = jax.nn.one_hot(program.resource_device, num_devices, dtype=busy.dtype)  # [B, R, D]
-    busy_dev = jnp.einsum("br,brd->bd", busy, on_device)
-    compute_dev = jnp.einsum("br,brd->bd", state.compute.T, on_device)
-    busiest = jnp.argmax(busy_dev, axis=1)
-    pick = lambda x: jnp.take_along_axis(x, busiest[:, None], axis=1)[:, 0]  # noqa: E731
+    on_device = program.resource_device[..., None] == xp.arange(num_devices).reshape(1, 1, -1)  # [B, R, D]
+    busy_dev = xp.einsum("br,brd->bd", busy, on_device.astype(busy.dtype))
+    compute_dev = xp.einsum("br,brd->bd", state.compute.T, on_device.astype(busy.dtype))
+    busiest = xp.argmax(busy_dev, axis=1)
+    pick = lambda x: xp.take_along_axis(x, busiest[:, None], axis=1)[:, 0]  # noqa: E731
     on_busiest = program.resource_device == busiest[:, None]
-    stream_busy = jnp.max(jnp.where(on_busiest, busy, 0.0), axis=1)
+    stream_busy = xp.max(xp.where(on_busiest, busy, 0.0), axis=1)
     return {
         "step_time": step_time,
         "status": sim.status,
         "compute": pick(compute_dev),
         "communication": pick(busy_dev - compute_dev),
-        "bubble": jnp.maximum(step_time - stream_busy, 0.0),
+        "bubble": xp.maximum(step_time - stream_busy, 0.0),
         "certified": certified,
     }
 
 
-def _extrapolate(sim, periods, extra):
+def _extrapolate(sim, periods, extra, xp=jnp):
     """The long programs' step times, and whether each row's period is certified,
     within what the kernel's float type can tell apart."""
     # float32 clocks carry rounding of a few ulps, which the bound r * spread multiplies.
     rtol = max(1e-9, 100 * float(jnp.finfo(sim.step_time.dtype).eps))
     before, after = periods["period_before"], periods["period_after"]
-    return extrapolate(sim.finish_slots, before, after, extra, sim.step_time, rtol, xp=jnp)
+    return extrapolate(sim.finish_slots, before, after, extra, sim.step_time, rtol, xp=xp)
