@@ -1,8 +1,12 @@
 """The batched timeline kernel.
 
-One ``lax.scan`` over ops. Its carry holds, for all B configurations at once,
-the clock of every resource ``[R, B]``, the finish-time slots ``[V, B]``, and
-the live and peak memory of every device ``[D, B]``. Configurations sit on
+One ``lax.scan`` over ops. Its carry, a :class:`Timeline`, holds for all B
+configurations at once the clock of every resource ``[R, B]``, the
+finish-time slots ``[V, B]`` and busy times. :func:`simulate` runs a whole
+program; sweeps instead call :func:`run_ops` on consecutive slices of ops,
+carrying the timeline, then :func:`conclude`: one compiled kernel then serves
+programs of every length. Peak memory follows program order and byte counts
+only, so it is computed once at lowering, not here. Configurations sit on
 the last axis so each step is a handful of small gathers and scatters over
 the op's few resource slots, vectorized across B. The compiled kernel does not
 grow with N (the scan body is the same for every op), and costs are computed
@@ -215,9 +219,8 @@ def start_timeline(
     """
     dtype = jnp.result_type(float)
     zeros = lambda n: xp.zeros((n, batch), dtype)  # noqa: E731
-    return Timeline(zeros(num_resources), zeros(num_slots), zeros(num_resources), None)._replace(
-        compute=zeros(num_resources) if split_compute else None
-    )
+    compute = zeros(num_resources) if split_compute else None
+    return Timeline(zeros(num_resources), zeros(num_slots), zeros(num_resources), compute)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "record_ops"))
