@@ -203,36 +203,23 @@ def _chain(first, second):
     return np.maximum(first[0], first[1] + second[0]), first[1] + second[1]
 
 
-def chunk_tables(
-    features: LayerFeatures,
-    layers_per_chunk: Sequence[int],
-    pipeline: int,
-    microbatches: int,
-    *,
-    data: int = 1,
-    zero: bool = False,
-    mode: str = "none",
-    segments: bool = False,
-) -> ChunkTables:
-    """The tables of one configuration, for all of ``features``' size variants.
+@dataclasses.dataclass(frozen=True)
+class _PipelineParts:
+    """What :func:`chunk_tables` needs that does not depend on data parallelism."""
 
-    Args:
-      features: the model's part features.
-      layers_per_chunk: blocks of each of the ``n = p * v`` chunks.
-      pipeline, microbatches: ``p`` and ``k`` (``k`` only sizes the resident
-        token and label inputs).
-      data, zero, mode: data-parallel degree, ZeRO, and :func:`data_mode`.
-      segments: append the rows of each chunk's last backward cut into
-        segments and of each gradient's reduction (mode ``"overlap"``, for a
-        template built with :func:`segment_plan`).
+    coef: np.ndarray  # [n, 3] parts per chunk
+    stage_coef: np.ndarray  # [p, 3] parts per stage
+    steps: np.ndarray  # [S, 3n + 1, F]: forward, first backward, later backwards of each chunk, a message
+    fwd: tuple  # (rise, net) [n, S] of each chunk's forward
+    bwd: list  # the same of its first and of its later backwards
 
-    Returns:
-      A :class:`ChunkTables` with a leading ``S`` axis.
-    """
-    p, k = int(pipeline), int(microbatches)
-    layers = np.asarray(layers_per_chunk, np.int64)
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _PipelineParts:
+    """Chunk costs and pass memory of ``layers`` blocks per chunk on ``p`` stages, shared by
+    every data-parallel degree, ZeRO setting and mode (cached; read only)."""
+    layers = np.asarray(layers, np.int64)
     n = len(layers)
-    shard = data if zero else 1
     first, last = np.arange(n) == 0, np.arange(n) == n - 1
     coef = part_coefficients(features, layers)  # [n, 3] parts per chunk
     stage_coef = np.zeros((p, 3))
@@ -245,23 +232,9 @@ def chunk_tables(
     message = np.zeros((s, 1, _F))
     message[:, 0, _VOLUME] = features.message_bytes
     message[:, 0, _HOPS] = 1.0
-    reduce_parts, gather_parts = features.data_parallel(data, zero)
-    adam = features.optimizer.copy()
-    adam[:, _SCALED] /= shard
-    update_parts = adam + (reduce_parts + gather_parts if mode == "sync" else 0.0)
     accumulate = coef @ features.accumulate  # [n, F]: later microbatches add to the running sums
-    rows = [
-        forward,
-        backward,
-        backward + accumulate[None],
-        message,
-        np.broadcast_to(coef @ reduce_parts, (s, n, _F)),
-        np.broadcast_to(stage_coef @ update_parts, (s, p, _F)),
-        np.broadcast_to(stage_coef @ gather_parts, (s, p, _F)),
-    ]
-    cost = np.concatenate(rows, axis=1)
+    steps = np.concatenate([forward, backward, backward + accumulate[None], message], axis=1)
     # Memory of each chunk's passes, chained from its parts.
-    grads = features.param_bytes  # [3]
     rise_f, net_f = features.peak_rise[:, 0], features.net_bytes[:, 0]  # [3, S]
     rise_b, net_b = features.backward_rise, features.backward_net  # [3, later, input freed, S]
     # A received input is freed by the chunk's own first part when the sender's
@@ -298,6 +271,56 @@ def chunk_tables(
             blocks(r[_BLOCK, 1], m[_BLOCK, 1], first_block * 1.0),
         )
         bwd.append(_chain(_chain(head, body), part(r[_EMBED, 0], m[_EMBED, 0], first)))
+    for x in (coef, stage_coef, steps, *fwd, *(y for b in bwd for y in b)):
+        x.setflags(write=False)
+    return _PipelineParts(coef, stage_coef, steps, fwd, bwd)
+
+
+def chunk_tables(
+    features: LayerFeatures,
+    layers_per_chunk: Sequence[int],
+    pipeline: int,
+    microbatches: int,
+    *,
+    data: int = 1,
+    zero: bool = False,
+    mode: str = "none",
+    segments: bool = False,
+) -> ChunkTables:
+    """The tables of one configuration, for all of ``features``' size variants.
+
+    Args:
+      features: the model's part features.
+      layers_per_chunk: blocks of each of the ``n = p * v`` chunks.
+      pipeline, microbatches: ``p`` and ``k`` (``k`` only sizes the resident
+        token and label inputs).
+      data, zero, mode: data-parallel degree, ZeRO, and :func:`data_mode`.
+      segments: append the rows of each chunk's last backward cut into
+        segments and of each gradient's reduction (mode ``"overlap"``, for a
+        template built with :func:`segment_plan`).
+
+    Returns:
+      A :class:`ChunkTables` with a leading ``S`` axis.
+    """
+    p, k = int(pipeline), int(microbatches)
+    layers = np.asarray(layers_per_chunk, np.int64)
+    n = len(layers)
+    shard = data if zero else 1
+    base = _pipeline_parts(features, tuple(int(x) for x in layers), p)
+    coef, stage_coef, fwd, bwd = base.coef, base.stage_coef, base.fwd, base.bwd
+    s = features.num_variants
+    reduce_parts, gather_parts = features.data_parallel(data, zero)
+    adam = features.optimizer.copy()
+    adam[:, _SCALED] /= shard
+    update_parts = adam + (reduce_parts + gather_parts if mode == "sync" else 0.0)
+    rows = [
+        base.steps,  # forward, first backward, later backwards, a message
+        np.broadcast_to(coef @ reduce_parts, (s, n, _F)),
+        np.broadcast_to(stage_coef @ update_parts, (s, p, _F)),
+        np.broadcast_to(stage_coef @ gather_parts, (s, p, _F)),
+    ]
+    cost = np.concatenate(rows, axis=1)
+    grads = features.param_bytes  # [3]
     stage_grads = stage_coef @ grads  # [p]
     alloc = np.zeros((s, 3 * n + p + 3, 2))
     free = np.zeros_like(alloc)
