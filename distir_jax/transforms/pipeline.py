@@ -150,29 +150,37 @@ def balanced_boundaries(layer_costs: Sequence[float], num_chunks: int) -> tuple[
       a further tie, the one whose chunks end earliest.
     """
     blocks = len(layer_costs) - 2
+    if num_chunks == blocks:  # one block per chunk: the only partition
+        return tuple(range(2, blocks + 1))
     prefix = np.concatenate([[0.0], np.cumsum(layer_costs[1:-1], dtype=np.float64)])
     a = np.arange(blocks + 1)[:, None]  # a chunk holds blocks a+1..b
     b = np.arange(blocks + 1)[None, :]
     extra = np.where(a == 0, float(layer_costs[0]), 0.0) + np.where(b == blocks, float(layer_costs[-1]), 0.0)
     cost = (prefix[None, :] - prefix[:, None]) + extra  # [a, b]
+    cost_squared, upper = cost * cost, a < b
     # best[i][b]: (largest chunk, sum of squares) of i chunks over blocks 1..b, a
-    # dynamic program over chunks, each step vectorized over (a, b).
+    # dynamic program over chunks, each step vectorized over (a, b). Chunk i
+    # can only start after block i - 1 and end by block blocks - (n - i): each
+    # step reads that band only.
     worst = np.full(blocks + 1, np.inf)
     squares = np.full(blocks + 1, np.inf)
     worst[0] = squares[0] = 0.0
-    choice = []
+    choice = np.zeros((num_chunks, blocks + 1), np.int64)
     for i in range(1, num_chunks + 1):
-        ok = (a < b) & (a >= i - 1) & np.isfinite(worst)[:, None]
-        cand_worst = np.where(ok, np.maximum(worst[:, None], cost), np.inf)
-        cand_squares = np.where(ok, squares[:, None] + cost * cost, np.inf)
+        rows, cols = slice(i - 1, blocks - (num_chunks - i)), slice(i, blocks - (num_chunks - i) + 1)
+        before = worst[rows, None]
+        ok = upper[rows, cols] & np.isfinite(before)
+        cand_worst = np.where(ok, np.maximum(before, cost[rows, cols]), np.inf)
+        cand_squares = np.where(ok, squares[rows, None] + cost_squared[rows, cols], np.inf)
         low = cand_worst.min(axis=0)
-        tied = cand_worst == low[None, :]
+        tied = cand_worst == low
         sq = np.where(tied, cand_squares, np.inf)
         low_sq = sq.min(axis=0)
-        pick = np.argmax(tied & (sq == low_sq[None, :]), axis=0)  # the first (smallest a) on ties
-        reach = (b[0] >= i) & (b[0] <= blocks - (num_chunks - i)) & np.isfinite(low)
-        worst, squares = np.where(reach, low, np.inf), np.where(reach, low_sq, np.inf)
-        choice.append(np.where(reach, pick, 0))
+        pick = (i - 1) + np.argmax(tied & (sq == low_sq), axis=0)  # the first (smallest a) on ties
+        worst = np.full(blocks + 1, np.inf)
+        squares = np.full(blocks + 1, np.inf)
+        worst[cols], squares[cols] = low, low_sq  # inf where no partition reaches b
+        choice[i - 1, cols] = np.where(np.isfinite(low), pick, 0)
     cuts, j = [], blocks
     for i in range(num_chunks, 0, -1):
         j = int(choice[i - 1][j])
