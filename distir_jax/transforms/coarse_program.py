@@ -338,7 +338,9 @@ def chunk_tables(
         free[:, row, 0] = message if sender_frees else 0.0
     free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = stage_grads
     if mode == "sync":
-        extra = _reduction_peak(features, coef, p, int(data), bool(zero))
+        # Without ZeRO the reduction's peak does not depend on the degree (cache key).
+        key = (int(data), True) if zero else (1, False)
+        extra = _reduction_peak(features, tuple(int(x) for x in layers), p, *key)
         alloc[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
         free[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
     params = stage_coef @ features.param_bytes
@@ -492,7 +494,8 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
     return out
 
 
-def _reduction_peak(features: LayerFeatures, coef: np.ndarray, p: int, data: int, zero: bool) -> np.ndarray:
+@functools.lru_cache(maxsize=4096)
+def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool) -> np.ndarray:
     """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
 
     The data-parallel transform reduces gradients one by one in the order they
@@ -501,6 +504,7 @@ def _reduction_peak(features: LayerFeatures, coef: np.ndarray, p: int, data: int
     gradient: an all-reduce output as large as the gradient, a ZeRO
     reduce-scatter output ``1 / d`` of it (so the level falls as it goes).
     """
+    coef = _pipeline_parts(features, layers, p).coef
     n = coef.shape[0]
     order = features.grad_order
     extra = np.zeros(p)
@@ -513,6 +517,7 @@ def _reduction_peak(features: LayerFeatures, coef: np.ndarray, p: int, data: int
         out = g / data if zero else g
         released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
         extra[stage] = max(0.0, float(np.max(out - released, initial=0.0)))
+    extra.setflags(write=False)  # cached
     return extra
 
 
