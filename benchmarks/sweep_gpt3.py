@@ -722,6 +722,14 @@ def product_configs_per_second(quick: bool) -> dict:
     )
 
 
+def _set_rows_per_call(rows: int) -> None:
+    """Kernel calls of ``rows`` configurations (and up to as many templates, at most 512)."""
+    global _ROWS_PER_CALL, _TEMPLATES_PER_CALL
+    if rows < 1:
+        raise SystemExit(f"--rows-per-call must be >= 1, got {rows}")
+    _ROWS_PER_CALL, _TEMPLATES_PER_CALL = rows, min(rows, 512)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every 8th configuration only")
@@ -735,11 +743,18 @@ def main() -> None:
         help="also simulate every pipeline at full length and compare (slow)",
     )
     parser.add_argument(
+        "--rows-per-call",
+        type=int,
+        default=_ROWS_PER_CALL,
+        help=f"configurations per kernel call (default {_ROWS_PER_CALL}: a CPU; accelerators: thousands)",
+    )
+    parser.add_argument(
         "--product",
         action="store_true",
         help="also run the space through search.evaluate (the product's engine, exact overlap)",
     )
     args = parser.parse_args()
+    _set_rows_per_call(args.rows_per_call)
     print(f"# {platform.node()} {platform.machine()} jax {jax.__version__} devices={jax.devices()}")
     print(f"# rows/call {_ROWS_PER_CALL}, templates/call {_TEMPLATES_PER_CALL}, ops/slice {_OP_CHUNK}")
     r = gpt3_configs_per_second(args.quick, fit_only=args.fit_only, steady=not args.no_steady)

@@ -103,8 +103,9 @@ from search.space import Config, StrategySpace, _one_line, as_configs
 
 CONFIG_AXIS = "configs"
 _BUILD_ERRORS = (ValueError, NotImplementedError)
-# The cost model for choosing op capacities, measured on a 2-core CPU with
-# per-configuration structure (the kernel re-lays and costs every padded op row).
+# Whether to pad a call's rows up to a compiled row count rather than compile
+# another: kernel seconds per padded op row (a 2-core CPU, per-configuration
+# structure) against seconds per compile.
 _SECONDS_PER_OP_ROW = 2.5e-7
 _SECONDS_PER_COMPILE = 1.0
 # Ops per kernel invocation: a call runs its rows' ops a slice at a time, carrying
@@ -381,7 +382,7 @@ class _Batcher:
         self._run_queued(wait=False)
 
     def flush_all(self) -> None:
-        """Simulates every pending row, in op capacities chosen for the whole remainder."""
+        """Simulates every pending row, sorted by length into full calls (see :meth:`_plan`)."""
         plan = self._plan()
         self.items.clear()
         self.capacity.clear()
