@@ -77,6 +77,7 @@ from distir_jax.transforms.coarse import (
     stage_devices,
     template_size,
 )
+from distir_jax.transforms.coarse_program import stage_peak_memory
 from distir_jax.transforms.coarse_steady import extrapolate, steady_template, worth_it
 
 MODEL = "gpt3-175b"
@@ -169,13 +170,8 @@ def enumerate_space(model, world: int = 64, global_batch: int = GLOBAL_BATCH) ->
 
 def _template_arrays(template, steady=None) -> dict:
     """A template's per-op index arrays, cut into ``[chunks, _OP_CHUNK, ...]`` slices
-    of ops (padded past its end, packed: see :func:`_pack`), and its memory events.
-
-    Memory events are sorted by stage (see coarse_program.stage_peak_memory):
-    ``index`` points into a row's flattened ``[_MEMORY_ROWS, 2]`` alloc and free
-    tables, ``first`` is the first event of its stage, ``part`` its part of a
-    steady template (see :func:`_stage_peaks`); ``starts`` / ``stages``: where
-    each stage's events begin, and which stage it is. With ``steady`` (a
+    of ops (padded past its end, packed: see :func:`_pack`), and each op's row of
+    the memory tables. With ``steady`` (a
     :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`), also the
     period's finish slots: each resource's clock before and after it.
     """
@@ -199,17 +195,9 @@ def _template_arrays(template, steady=None) -> dict:
         array = np.full((chunks * c,) + value.shape[1:], fill, np.int32)
         array[:n] = value
         ops[name] = array.reshape((chunks, c) + value.shape[1:])
-    perm, stage = template.stage_events
-    memory_row = np.where(memory_row >= 0, memory_row, _MEMORY_ROWS - 1)  # -1: the all-zero row
-    starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]]) if len(stage) else np.zeros(0, np.int64)
-    events = dict(
-        index=2 * memory_row[perm // 2] + perm % 2,
-        first=np.searchsorted(stage, stage),
-        part=np.asarray(steady.event_part[: len(perm)]) if steady is not None else np.zeros(len(perm), int),
-        starts=starts,
-        stages=stage[starts],
-    )
-    out = dict(ops=_pack(ops), events=events)
+    # Memory per op (-1: the tables' last row, all zeros), for stage_peak_memory.
+    memory_row = np.where(memory_row >= 0, memory_row, _MEMORY_ROWS - 1)
+    out = dict(ops=_pack(ops), memory_row=memory_row, template=template, steady=steady)
     out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     if steady is not None:
@@ -217,33 +205,6 @@ def _template_arrays(template, steady=None) -> dict:
             raise ValueError(f"a period uses {len(steady.resources)} resources, > {_PERIOD_RESOURCES}")
         out["period_before"][: len(steady.before)] = steady.before
         out["period_after"][: len(steady.after)] = steady.after
-    return out
-
-
-def _stage_peaks(events: dict, alloc, free, resident, periods) -> np.ndarray:
-    """Peak bytes ``[rows, _MAX_STAGES]`` of each stage's device, for rows of one template.
-
-    lower.peak_memory's rule on the stage-sorted events: an event's rise is
-    the stage's bytes before it plus what it allocates. A steady template's
-    period stands for ``1 + periods`` copies, each moving the stage's bytes by
-    its net over the period (see coarse_program.stage_peak_memory); its events
-    are in three parts (before, inside and after the period).
-    """
-    out = np.array(resident, np.float64)
-    if not len(events["index"]):
-        return out
-    a = alloc[:, events["index"]]
-    delta = a - free[:, events["index"]]
-    before = np.cumsum(delta, axis=1) - delta
-    value = before - before[:, events["first"]] + a
-    part, starts = events["part"], events["starts"]
-    if not part.any():  # not a steady template: one part
-        out[:, events["stages"]] += np.maximum(np.maximum.reduceat(value, starts, axis=1), 0.0)
-        return out
-    rise = [np.maximum.reduceat(np.where(part == k, value, -np.inf), starts, axis=1) for k in range(3)]
-    moved = periods[:, None] * np.add.reduceat(np.where(part == 1, delta, 0.0), starts, axis=1)
-    rise = np.maximum(rise[0], np.maximum(rise[1] + np.maximum(moved, 0.0), rise[2] + moved))
-    out[:, events["stages"]] += np.maximum(rise, 0.0)
     return out
 
 
@@ -343,18 +304,7 @@ def _end_call(state, rows, hardware):
     num_devices = hardware.peak_flops.shape[-1]
     on_device = jnp.where(rows["device"] >= 0, rows["device"], num_devices)
     scatter = jax.vmap(lambda where, x: jnp.zeros(num_devices).at[where].set(x, mode="drop"))
-    per_device = Program(
-        **{name: None for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm")},
-        resource_device=None,
-        num_ops=None,
-        alloc_bytes=None,
-        free_bytes=None,
-        resident_bytes=scatter(on_device, rows["resident"]),
-        peak_bytes=scatter(on_device, rows["stage_peak"]),
-        num_finish_slots=_MAX_SLOTS,
-        **{name: None for name in COST_FEATURES},
-    )
-    result = conclude(state, per_device, hardware)
+    result = conclude(state, scatter(on_device, rows["stage_peak"]), hardware)
     step_time, certified = extrapolate(
         result.finish_slots,
         rows["period_before"],
@@ -521,12 +471,16 @@ def _run(calls, template_of, rows: _Rows, kernel: _Kernel | None, hardware, shor
         out["period_before"][: len(ids)] = [arrays[t]["period_before"] for t in tid]
         out["period_after"][: len(ids)] = [arrays[t]["period_after"] for t in tid]
         rows.fill(ids, out)
-        alloc = out["alloc"].reshape(_ROWS_PER_CALL, -1)
-        free = out["free"].reshape(_ROWS_PER_CALL, -1)
-        for t, a in enumerate(arrays):
+        for t, a in enumerate(arrays):  # peak memory needs no timeline: the product's rule, per template
             members = np.flatnonzero(out["tid"][: len(ids)] == t)
-            out["stage_peak"][members] = _stage_peaks(
-                a["events"], alloc[members], free[members], out["resident"][members], out["periods"][members]
+            out["stage_peak"][members] = stage_peak_memory(
+                a["template"],
+                out["alloc"][members],
+                out["free"][members],
+                out["resident"][members],
+                a["steady"],
+                extra_periods=out["periods"][members],
+                table_rows=a["memory_row"],
             )
         for name in out:  # padding rows repeat the first
             out[name][len(ids) :] = out[name][0]

@@ -257,7 +257,7 @@ def simulate(
     num_resources = program.resource_device.shape[-1]
     state = start_timeline(num_resources, program.num_finish_slots, batch_size(program, hardware, costs))
     state, per_op = run_ops(state, program, rows, costs, temperature=temperature, record_ops=record_ops)
-    result = conclude(state, program, hardware, valid, temperature=temperature)
+    result = conclude(state, program.peak_bytes, hardware, valid, temperature=temperature)
     if record_ops:
         result = result._replace(op_start=per_op[0].T, op_finish=per_op[1].T)
     return result
@@ -413,7 +413,7 @@ def _compute_part(features: dict) -> dict:
 
 def conclude(
     state: Timeline,
-    program: Program,
+    peak_bytes: jax.Array,
     hardware: Hardware,
     valid: jax.Array | None = None,
     *,
@@ -421,17 +421,17 @@ def conclude(
     xp=jnp,
 ) -> SimResult:
     """The results once every op has run: step time, busy time, peak memory
-    (the program's ``peak_bytes``) and status. Reads only ``program``'s per-device
-    arrays. ``xp=numpy`` concludes on the host (exact semantics only)."""
+    (``peak_bytes``, ``[D]`` or ``[B, D]``: the program's, computed at lowering)
+    and status. ``xp=numpy`` concludes on the host (exact semantics only)."""
     if xp is not jnp and temperature is not None:
         raise ValueError("a smooth (temperature) timeline concludes inside jax only")
-    num_devices = program.resident_bytes.shape[-1]
+    num_devices = peak_bytes.shape[-1]
     b = state.clock.shape[1]
     dtype = state.clock.dtype
     step_time = _max(state.clock, 0, temperature) if xp is jnp else xp.max(state.clock, axis=0)
     capacity = _configs_last(xp.asarray(hardware.memory_capacity, dtype), 1, xp)
     capacity = xp.broadcast_to(capacity, (num_devices, b))
-    peak = xp.broadcast_to(_configs_last(program.peak_bytes, 1, xp).astype(dtype), (num_devices, b))
+    peak = xp.broadcast_to(_configs_last(peak_bytes, 1, xp).astype(dtype), (num_devices, b))
     oom = xp.any(peak > capacity, axis=0)
     ok = xp.isfinite(step_time) & xp.all(xp.isfinite(peak), axis=0)
     if valid is not None:

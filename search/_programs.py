@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from distir_jax.cost import COST_FEATURES
-from distir_jax.hardware import Hardware, pad_hardware
+from distir_jax.hardware import Hardware, pad_hardware, stack_hardware
 from distir_jax.ir import Topology
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, NO_SLOT, Capacity, Program
 from distir_jax.transforms.coarse_steady import SteadyTemplate
@@ -175,12 +175,8 @@ class RowStack:
             hw = pad_hardware(hw, d) if hw.num_devices < d else hw
             for row in rows:
                 hardware_rows[row] = hw
-        self.hardware = Hardware(
-            **{
-                f.name: np.stack([getattr(hw, f.name) for hw in hardware_rows]).astype(np.float32)
-                for f in dataclasses.fields(Hardware)
-            }
-        )
+        # float32, like the other stacked fields.
+        self.hardware = jax.tree_util.tree_map(lambda x: x.astype(np.float32), stack_hardware(hardware_rows))
 
         self._concatenate(items)
 

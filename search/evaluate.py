@@ -712,7 +712,7 @@ def _end_rows(state, program, hardware, periods=None, xp=jnp) -> dict:
     says whether the shift was the same on every resource (rows where it was
     not need their long program). ``xp=numpy``: on the host.
     """
-    sim = conclude(state, program, hardware, xp=xp)
+    sim = conclude(state, program.peak_bytes, hardware, xp=xp)
     num_rows, num_devices = hardware.peak_flops.shape
     step_time, busy = sim.step_time, sim.busy_time  # [B], [B, R]
     certified = xp.ones(num_rows, bool)

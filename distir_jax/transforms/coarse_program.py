@@ -612,7 +612,13 @@ def realize(
 
 
 def stage_peak_memory(
-    template: PipelineTemplate, alloc, free, resident, steady: SteadyTemplate | None = None
+    template: PipelineTemplate,
+    alloc,
+    free,
+    resident,
+    steady: SteadyTemplate | None = None,
+    extra_periods=None,
+    table_rows=None,
 ) -> np.ndarray:
     """Peak bytes of each stage's device, ``[S, p]``: :func:`~distir_jax.lower.peak_memory`'s
     program-order rule, with the events sorted by stage once per template.
@@ -620,21 +626,27 @@ def stage_peak_memory(
     With ``steady`` (``template`` being its short one), the long program's: each
     copy of the period moves a stage's running bytes by the period's net, so the
     copies peak at the first one's rise plus ``max(0, r * net)`` and everything
-    after them at its short rise plus ``r * net``.
+    after them at its short rise plus ``r * net``. ``extra_periods`` (``[S]``)
+    gives each row its own ``r`` instead of ``steady.extra_periods`` (rows of
+    one short template standing for different long ones). With ``table_rows``
+    (``[N]``), ``alloc`` and ``free`` are ``[S, M, 2]`` tables and op ``i``'s
+    bytes are their row ``table_rows[i]``.
     """
     perm, event_stage = template.stage_events
     stages, starts = np.unique(event_stage, return_index=True)
     s = alloc.shape[0]
-    a = alloc.reshape(s, -1)[:, perm]
-    delta = a - free.reshape(s, -1)[:, perm]
+    events = perm if table_rows is None else 2 * np.asarray(table_rows)[perm // 2] + perm % 2
+    a = alloc.reshape(s, -1)[:, events]
+    delta = a - free.reshape(s, -1)[:, events]
     running = np.cumsum(delta, axis=1) - delta
-    base = running[:, starts]
-    segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, perm.shape[0])))
-    rise = running - base[:, segment] + a
+    counts = np.diff(np.append(starts, perm.shape[0]))
+    rise = running - np.repeat(running[:, starts], counts, axis=1) + a
     if steady is not None:
+        segment = np.repeat(np.arange(len(starts)), counts)
         in_period, after = steady.event_part == 1, steady.event_part == 2
         net = np.add.reduceat(np.where(in_period, delta, 0.0), starts, axis=1)  # [S, stages]
-        moved = steady.extra_periods * net[:, segment]
+        r = steady.extra_periods if extra_periods is None else np.reshape(extra_periods, (-1, 1))
+        moved = r * net[:, segment]
         rise += np.where(in_period, np.maximum(moved, 0.0), np.where(after, moved, 0.0))
     rise = np.maximum.reduceat(rise, starts, axis=1)
     peak = np.array(resident, np.float64, copy=True)
