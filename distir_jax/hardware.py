@@ -78,15 +78,18 @@ def pad_hardware(hardware: Hardware, num_devices: int) -> Hardware:
     have = hardware.num_devices
     if num_devices < have:
         raise ValueError(f"cannot pad hardware with {have} devices down to {num_devices}")
-    extra = num_devices - have
 
-    def vec(x, fill):
+    def vec(x, fill):  # (np.pad does the same, ~10x slower: sweeps pad every program's hardware)
         x = np.asarray(x)
-        return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)], constant_values=fill)
+        out = np.full((*x.shape[:-1], num_devices), fill, x.dtype)
+        out[..., :have] = x
+        return out
 
     def mat(x, fill):
         x = np.asarray(x)
-        return np.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, extra)], constant_values=fill)
+        out = np.full((*x.shape[:-2], num_devices, num_devices), fill, x.dtype)
+        out[..., :have, :have] = x
+        return out
 
     return Hardware(
         peak_flops=vec(hardware.peak_flops, 1.0),

@@ -9,9 +9,12 @@ programs of every length. Peak memory follows program order and byte counts
 only, so it is computed once at lowering, not here. Configurations sit on
 the last axis so each step is a handful of small gathers and scatters over
 the op's few resource slots, vectorized across B. The compiled kernel does not
-grow with N (the scan body is the same for every op), and costs are computed
-inside the step from the op's features and the hardware, so no ``[N, K, B]``
-cost table is ever built.
+grow with N (the scan body is the same for every op). With structure shared
+by all configurations, costs are computed inside the step from the op's
+features and the hardware, so no ``[N, K, B]`` cost table is ever built; with
+a structure per configuration every op reads its own hardware rows, so
+:func:`op_costs` costs all ops at once before the scan (or on the host, for
+sweeps: :mod:`distir_jax.host_timeline` then runs the same step in NumPy).
 
 Exact and smooth semantics share this code: with a ``temperature`` every max
 of the timeline becomes ``temperature * logsumexp(x / temperature)``, which
@@ -187,26 +190,77 @@ def hardware_rows(hardware: Hardware, per_config_structure: bool, xp=jnp) -> Har
     return HardwareRows(table.T if per_config_structure else table, launch, num_devices)
 
 
-def op_speeds(program: Program, rows: HardwareRows) -> tuple:
+def op_speeds(program: Program, rows: HardwareRows, xp=jnp) -> tuple:
     """``op_seconds``' hardware arguments for every op of per-configuration
     structure ``[B, N]``: the op's first device's speeds and its link's."""
     d = rows.num_devices
-    first_device = jnp.maximum(program.slot_device[..., 0], 0)  # [B, N]
+    first_device = xp.maximum(program.slot_device[..., 0], 0)  # [B, N]
     pair_rows = program.link[..., 0] * d + program.link[..., 1] + 2 * d
     table = rows.table  # [Bh, X]
 
     def read(where):
         if table.shape[0] == 1:
             return table[0][where]
-        return jnp.take_along_axis(table, where, axis=1)
+        return xp.take_along_axis(table, where, axis=1)
 
     return (
         read(first_device),
         read(first_device + d),
-        jnp.reshape(rows.launch, (-1, 1)),
+        xp.reshape(rows.launch, (-1, 1)),
         read(pair_rows),
         read(pair_rows + d * d),
     )
+
+
+class OpCosts(NamedTuple):
+    """Every op's seconds, computed before the timeline runs (per-configuration
+    structure), ``[N, B]`` each: configurations last, like the timeline.
+
+    Attributes:
+      seconds: how long the op occupies each of its resources.
+      busy: what it adds to each resource's busy total (``seconds`` times
+        the op's weight, see :func:`run_ops`).
+      compute: the compute part of ``busy``, or None when not tracked.
+    """
+
+    seconds: jax.Array
+    busy: jax.Array
+    compute: jax.Array | None = None
+
+
+def op_costs(
+    program: Program,
+    rows: HardwareRows,
+    weights=None,
+    *,
+    split_compute: bool = False,
+    temperature: float | None = None,
+    xp=jnp,
+) -> OpCosts:
+    """The cost model applied to every op of per-configuration structure ``[B, N]``
+    at once (``weights``: ``[B, N]``, as in :func:`run_ops`).
+
+    :func:`run_ops` calls it before its scan; a sweep calls it on the host
+    (``xp=numpy``, exact semantics) and passes the result to :func:`run_ops`
+    or :func:`run_ops_host`, which then only add, compare and move clocks: the
+    two give the same timeline, bit for bit.
+    """
+    if xp is not jnp and temperature is not None:
+        raise ValueError("smooth (temperature) costs are computed inside jax only")
+    dtype = jnp.result_type(float)
+    shape = program.resource.shape[:2]
+    features = {
+        name: xp.broadcast_to(xp.asarray(getattr(program, name), dtype), shape) for name in COST_FEATURES
+    }
+    speeds = op_speeds(program, rows, xp)
+    maximum = None if temperature is None else (lambda a, c: _max2(a, c, temperature))
+    seconds = xp.broadcast_to(op_seconds(xp, features, *speeds, maximum), shape)
+    weight = 1.0 if weights is None else xp.broadcast_to(xp.asarray(weights, dtype), shape)
+    compute = None
+    if split_compute:
+        compute = xp.broadcast_to(op_seconds(xp, _compute_part(features, xp), *speeds, maximum), shape)
+        compute = (compute * weight).T
+    return OpCosts(seconds.T, (seconds * weight).T, compute)
 
 
 def start_timeline(
@@ -277,10 +331,11 @@ def _check(program: Program, hardware: Hardware, temperature) -> None:
 def run_ops(
     state: Timeline,
     program: Program,
-    rows: HardwareRows,
+    rows: HardwareRows | None,
     costs: jax.Array | None = None,
     weights: jax.Array | None = None,
     *,
+    precomputed: OpCosts | None = None,
     temperature: float | None = None,
     record_ops: bool = False,
 ) -> tuple[Timeline, tuple | None]:
@@ -293,25 +348,21 @@ def run_ops(
     ``weights`` (``[N]`` or ``[B, N]``) count each op's seconds that many times
     in the busy (and compute) totals, not in the clocks: an op that stands for
     several runs of itself (see :mod:`distir_jax.transforms.coarse_steady`).
+    ``precomputed``: the ops' :func:`op_costs`, computed beforehand (then
+    ``rows`` and ``weights`` are not read and may be None, and of ``program``
+    only ``resource``, ``dep_slot``, ``out_slot`` and ``resource_device``).
     """
     split_compute = state.compute is not None
     if split_compute and costs is not None:
         raise ValueError("split_compute needs the cost model's compute part; explicit costs have none")
     num_resources = program.resource_device.shape[-1]
-    num_devices = rows.num_devices
     b = state.clock.shape[1]
     dtype = state.clock.dtype
 
     shared = np.ndim(program.resource) == 2
-    if shared:
-        res, dev, dep = program.resource, program.slot_device, program.dep_slot
-        out, link = program.out_slot, program.link
-    else:  # per-config structure: ops first, configs last
-        res, dev, dep = (
-            jnp.moveaxis(x, 0, -1) for x in (program.resource, program.slot_device, program.dep_slot)
-        )
-        out = jnp.moveaxis(program.out_slot, 0, -1)
-        link = jnp.moveaxis(program.link, 0, -1)
+    res, dep, out = program.resource, program.dep_slot, program.out_slot
+    if not shared:  # per-config structure: ops first, configs last
+        res, dep, out = (jnp.moveaxis(x, 0, -1) for x in (res, dep, out))
     num_slots = state.finish.shape[0]
     xs = dict(
         res_get=jnp.maximum(res, 0),
@@ -322,26 +373,34 @@ def run_ops(
         out_set=jnp.where(out < 0, num_slots, out),
     )
     # Per-config structure: every op reads its own hardware rows, so every op is
-    # costed before the scan (below) and the scan step only moves clocks.
-    precost = not shared and costs is None
-    if not precost:
+    # costed before the scan (op_costs) and the scan step only moves clocks.
+    if precomputed is None and not shared and costs is None:
+        precomputed = op_costs(program, rows, weights, split_compute=split_compute, temperature=temperature)
+    if precomputed is not None:
+        if shared or costs is not None:
+            raise ValueError("precomputed op costs need per-configuration structure and no explicit costs")
+        if split_compute and precomputed.compute is None:
+            raise ValueError("this timeline tracks the compute part: precompute it (split_compute=True)")
+        xs.update(seconds=precomputed.seconds, charged=precomputed.busy)
+        if split_compute:
+            xs["charged_compute"] = precomputed.compute
+    else:
         xs.update({name: _configs_last(getattr(program, name), 1).astype(dtype) for name in COST_FEATURES})
     if costs is not None:
         xs["costs"] = _configs_last(costs, 2).astype(dtype)
-    if weights is not None:
+    if weights is not None and precomputed is None:
         xs["weight"] = _configs_last(weights, 1).astype(dtype)
-    hw_table = rows.table
     # An op reads four rows of the table, each by a scalar index (a dynamic
     # slice: on CPU that is much cheaper per step than one vector-indexed
     # gather of four).
-    pairs = num_devices * num_devices
-    if costs is None and not precost:
-        device = jnp.maximum(dev[:, 0], 0)
-        pair = link[:, 0] * num_devices + link[:, 1]
+    if costs is None and precomputed is None:  # shared structure
+        num_devices = rows.num_devices
+        pairs = num_devices * num_devices
+        device = jnp.maximum(program.slot_device[:, 0], 0)
+        pair = program.link[:, 0] * num_devices + program.link[:, 1]
         xs["hw_rows"] = jnp.stack(
             [device, device + num_devices, pair + 2 * num_devices, pair + 2 * num_devices + pairs], axis=1
         ).astype(jnp.int32)  # [N, 4]
-    launch = rows.launch  # [Bh]
     maximum = None if temperature is None else (lambda a, c: _max2(a, c, temperature))
 
     def op_cost(x):
@@ -352,26 +411,13 @@ def run_ops(
         if "costs" in x:
             return jnp.broadcast_to(x["costs"], (x["costs"].shape[0], b)), None
         if "seconds" in x:
-            return x["seconds"], x.get("compute_seconds")
-        speeds = [_gather_one(hw_table, row) for row in x["hw_rows"]]
-        speeds.insert(2, launch)
+            return x["seconds"], None
+        speeds = [_gather_one(rows.table, row) for row in x["hw_rows"]]
+        speeds.insert(2, rows.launch)  # [Bh]
         seconds = jnp.broadcast_to(op_seconds(jnp, x, *speeds, maximum), (b,))
         if not split_compute:
             return seconds, None
         return seconds, jnp.broadcast_to(op_seconds(jnp, _compute_part(x), *speeds, maximum), (b,))
-
-    if precost:
-        # The reads are row gathers in the programs' own [B, N] layout, transposed once at the end.
-        features = {
-            name: jnp.broadcast_to(jnp.asarray(getattr(program, name), dtype), program.resource.shape[:2])
-            for name in COST_FEATURES
-        }
-        speeds = op_speeds(program, rows)
-        seconds = op_seconds(jnp, features, *speeds, maximum)
-        xs["seconds"] = jnp.broadcast_to(seconds, program.resource.shape[:2]).T  # [N, B]
-        if split_compute:
-            compute = op_seconds(jnp, _compute_part(features), *speeds, maximum)
-            xs["compute_seconds"] = jnp.broadcast_to(compute, program.resource.shape[:2]).T
 
     def step(carry: Timeline, x):
         slot_ok = x["slot_ok"] if x["slot_ok"].ndim == 2 else x["slot_ok"][:, None]
@@ -390,11 +436,16 @@ def run_ops(
         clock = _scatter(carry.clock, x["res_set"], start[None, :] + cost)
         out = x["out_set"][None] if x["out_set"].ndim == 0 else x["out_set"][None, :]
         finish = _scatter(carry.finish, out, fin[None, :])
+        # Missing slots write past the end (dropped): what they add does not matter.
         weight = x["weight"][None, :] if "weight" in x else 1.0
-        busy = _scatter(carry.busy, x["res_set"], cost * weight, add=True)
+        charged = x["charged"][None, :] if "charged" in x else cost * weight
+        busy = _scatter(carry.busy, x["res_set"], charged, add=True)
         compute = None
         if split_compute:
-            charged = jnp.where(slot_ok, compute_seconds[None, :], 0.0) * weight
+            if "charged_compute" in x:
+                charged = x["charged_compute"][None, :]
+            else:
+                charged = jnp.where(slot_ok, compute_seconds[None, :], 0.0) * weight
             compute = _scatter(carry.compute, x["res_set"], charged, add=True)
         new = Timeline(clock, finish, busy, compute)
         return new, ((start, fin) if record_ops else None)
@@ -405,10 +456,10 @@ def run_ops(
 _COMM_FEATURES = ("comm_volume", "comm_hops")
 
 
-def _compute_part(features: dict) -> dict:
+def _compute_part(features: dict, xp=jnp) -> dict:
     """The features with the communication ones zeroed: the cost model adds a
     compute and a communication part, so these give the compute part."""
-    return {k: jnp.zeros_like(v) if k in _COMM_FEATURES else v for k, v in features.items()}
+    return {k: xp.zeros_like(v) if k in _COMM_FEATURES else v for k, v in features.items()}
 
 
 def conclude(

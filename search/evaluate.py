@@ -46,12 +46,18 @@ in float64, and is compared with the preset's capacity in float64.
 
 Time: with the exact engine, building and lowering the programs (Python)
 dominates; with the fast engine, preparing keys and the kernel calls do.
-Kernels compile in background threads (XLA releases the GIL): the kernel the
-sweep most likely needs starts compiling at its first row (sizes raised to
-what later rows may need: see ``_Batcher._compile_ahead``), a full call waits
-in a queue until its kernel is ready while later rows are prepared, and calls
-pad to a compiled kernel's sizes and row count where that costs less than a
-compile. The progress bar counts configurations prepared.
+Every call costs its ops on the host (:func:`~distir_jax.kernel.op_costs`)
+and runs them either in the compiled kernel or on the host
+(:func:`~distir_jax.host_timeline.run_ops_host`), with the same results, bit
+for bit. A sweep starts compiling only once the rows it has prepared would
+take the host longer than about a quarter of a compile (a few hundred MLP
+rows never compile); then the kernel the sweep most likely needs compiles in
+a background thread (XLA releases the GIL; sizes raised to what later rows
+may need: see ``_Batcher._compile_ahead``), a full call waits in a queue
+until its kernel is ready while later rows are prepared, a call due before
+its kernel runs on the host if that should end first, and calls pad to a
+compiled kernel's sizes and row count where that costs less than a compile.
+The progress bar counts configurations prepared.
 
 Multi-host: call ``jax.distributed.initialize()`` on every host first, then
 ``evaluate`` on each with its own ``results_path``: by default each host
@@ -77,11 +83,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from distir_jax.host_timeline import run_ops_host
 from distir_jax.kernel import (
     STATUS_INVALID,
+    OpCosts,
     Timeline,
     conclude,
     hardware_rows,
+    op_costs,
     run_ops,
     start_timeline,
 )
@@ -108,6 +117,15 @@ _BUILD_ERRORS = (ValueError, NotImplementedError)
 # structure) against seconds per compile.
 _SECONDS_PER_OP_ROW = 2.5e-7
 _SECONDS_PER_COMPILE = 1.0
+# Calls may run on the host (run_ops_host: the same results, bit for bit). A
+# sweep starts compiling its kernel only once the rows it has prepared would
+# take the host more than a quarter of this; until then, and while the kernel
+# compiles, calls estimated to take the host less than this run there (about
+# one compile: 0 compiles from the first row and runs every call compiled).
+# Host seconds per op step, and per op and row, on a 2-core CPU.
+_HOST_CALL_SECONDS = 1.0
+_HOST_SECONDS_PER_STEP = 3e-5
+_HOST_SECONDS_PER_OP_ROW = 3e-7
 # Ops per kernel invocation: a call runs its rows' ops a slice at a time, carrying
 # the timeline, so its compiled kernel does not depend on the programs' lengths.
 _OP_CHUNK = 512
@@ -339,7 +357,8 @@ class _Batcher:
         self.max_configs, self.max_bytes, self.devices, self.emit = max_configs, max_bytes, devices, emit
         # What the whole sweep will add, for compiling its kernel from the first row on.
         self.expected_rows, self.expected_devices = expected_rows, expected_devices
-        self.compiled_ahead = False
+        self.compiling = False  # whether the sweep compiles kernels (see _HOST_CALL_SECONDS)
+        self.host_seconds = 0.0  # estimated host seconds of the rows added so far
         # Rows of short steady programs whose period the run did not certify
         # (see coarse_steady): the caller simulates their long programs.
         self.redo: list[Config] = []
@@ -351,17 +370,17 @@ class _Batcher:
         self.held_bytes = 0
         self.queue: collections.deque = collections.deque()  # (chunk, capacity, call, bytes)
         self.queued_bytes = 0
-        self.steady: dict[int, bool] = {}  # whether a bucket holds short steady programs
 
     def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
-        if not self.compiled_ahead:
-            self.compiled_ahead = True
-            self._compile_ahead(prepared.capacity, prepared.steady is not None)
+        per_row = _HOST_SECONDS_PER_OP_ROW + _HOST_SECONDS_PER_STEP / self.max_configs
+        self.host_seconds += prepared.capacity.num_ops * per_row
+        if not self.compiling and self.host_seconds >= _HOST_CALL_SECONDS / 4:
+            self.compiling = True
+            self._compile_ahead(prepared.capacity)
         cap = prepared.capacity.bucketed()
         key = cap.num_ops
         self.capacity[key] = cap if key not in self.items else self.capacity[key].union(cap)
         self.items.setdefault(key, []).append((config, prepared, variant, engine))
-        self.steady[key] = self.steady.get(key, False) or prepared.steady is not None
         held = self.held.setdefault(key, {})
         if id(prepared) not in held:
             held[id(prepared)] = prepared.nbytes
@@ -370,11 +389,10 @@ class _Batcher:
         limit = self._limit(self.capacity[key])
         if len(self.items[key]) >= limit:
             self._flush(key)
-        elif len(self.items[key]) == (limit + 1) // 2:
+        elif self.compiling and len(self.items[key]) == (limit + 1) // 2:
             # Half full: compile its full call's kernel ahead (on an otherwise idle
             # core while this thread prepares rows); a last partial call reuses it.
-            capacity = _compiled_cover(self.capacity[key], self.devices, self.steady[key])
-            _compiled_call(capacity, limit, self.devices, self.steady[key])
+            _compiled_call(_compiled_cover(self.capacity[key], self.devices), limit, self.devices)
         if self.held_bytes + self.queued_bytes > bound:
             self._run_queued(wait=True)
             if self.held_bytes > bound:
@@ -386,7 +404,6 @@ class _Batcher:
         plan = self._plan()
         self.items.clear()
         self.capacity.clear()
-        self.steady.clear()
         self.held.clear()
         self.held_bytes = 0
         for capacity, items in plan:
@@ -415,7 +432,7 @@ class _Batcher:
             longest = items[0][1].capacity.num_ops
             capacity = functools.reduce(Capacity.union, (item[1].capacity.bucketed() for item in items))
             capacity = dataclasses.replace(capacity, num_ops=longest)
-            plan.append((_compiled_cover(capacity, self.devices, _any_steady(items)), items))
+            plan.append((_compiled_cover(capacity, self.devices), items))
         return plan
 
     def _limit(self, capacity: Capacity) -> int:
@@ -425,7 +442,7 @@ class _Batcher:
         rows = min(self.max_configs, max(1, self.max_bytes // row_bytes(_kernel_capacity(capacity))))
         return max(n, rows // n * n)
 
-    def _compile_ahead(self, capacity: Capacity, steady: bool) -> None:
+    def _compile_ahead(self, capacity: Capacity) -> None:
         """Starts compiling the kernel the sweep will most likely call, from its first row.
 
         Its sizes are the first row's, raised to what later rows may need: the
@@ -444,7 +461,7 @@ class _Batcher:
         ).bucketed()
         rows = min(self._limit(floor), max(_MIN_ROWS, 1 << max(0, self.expected_rows - 1).bit_length()))
         n = len(self.devices)
-        _compiled_call(floor, -(-rows // n) * n, self.devices, steady)
+        _compiled_call(floor, -(-rows // n) * n, self.devices)
 
     def _num_rows(self, chunk: list, capacity: Capacity) -> int:
         """Rows of the call that simulates ``chunk``: a few fixed counts, so calls share compiled shapes."""
@@ -454,9 +471,7 @@ class _Batcher:
         num_rows = min(self._limit(capacity), max(_MIN_ROWS, 1 << (len(chunk) - 1).bit_length()))
         num_rows = -(-num_rows // n) * n
         # A larger call of this capacity compiled already: padding rows may cost less than a compile.
-        larger = [
-            r for r in _compiled_row_counts(capacity, self.devices, _any_steady(chunk)) if r >= num_rows
-        ]
+        larger = [r for r in _compiled_row_counts(capacity, self.devices) if r >= num_rows]
         if (
             larger
             and (min(larger) - num_rows) * capacity.num_ops * _SECONDS_PER_OP_ROW < _SECONDS_PER_COMPILE
@@ -466,31 +481,37 @@ class _Batcher:
 
     def _flush(self, key: int, wait: bool = False) -> None:
         items, capacity = self.items.pop(key), self.capacity.pop(key)
-        self.steady.pop(key, None)
         self.held_bytes -= sum(self.held.pop(key, {}).values())
         self._queue(items, capacity)
         self._run_queued(wait)
 
     def _queue(self, items: list, capacity: Capacity) -> None:
         """Queues the calls that simulate ``items``; their kernels start compiling now."""
-        steady = _any_steady(items)
-        capacity = _compiled_cover(_whole_slices(capacity), self.devices, steady)  # pad, not compile
+        capacity = _compiled_cover(_whole_slices(capacity), self.devices)  # pad, not compile
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]
-            call = _compiled_call(capacity, self._num_rows(chunk, capacity), self.devices, _any_steady(chunk))
+            num_rows = self._num_rows(chunk, capacity)
+            call = (
+                _compiled_call(capacity, num_rows, self.devices) if self.compiling else _Call(num_rows, None)
+            )
             nbytes = sum({id(p): p.nbytes for _, p, _, _ in chunk}.values())
             self.queue.append((chunk, capacity, call, nbytes))
             self.queued_bytes += nbytes
 
     def _run_queued(self, wait: bool) -> None:
         """Runs queued calls in order: all of them, or while their kernels are compiled."""
-        while self.queue and (wait or self.queue[0][2].future.done()):
+        while self.queue and (wait or self.queue[0][2].ready()):
             chunk, capacity, call, nbytes = self.queue.popleft()
             pairs = [(p, v) for _, p, v, _ in chunk]
             rows = RowStack(pairs, capacity, call.num_rows)
             periods = stack_periods(pairs, capacity, call.num_rows) if _any_steady(chunk) else None
-            out = _run(call.result(), rows, periods, self.devices)
+            # Not compiled yet: run on the host if that should end before the compile does.
+            host = call.future is None or (
+                not call.ready()
+                and _host_seconds(chunk) < min(_HOST_CALL_SECONDS, call.due - time.perf_counter())
+            )
+            out = _run(None if host else call.result(), rows, periods, self.devices, len(chunk))
             self.queued_bytes -= nbytes
             certified = out.pop("certified", np.ones(call.num_rows, bool))
             self.redo.extend(c for i, (c, *_) in enumerate(chunk) if not certified[i])
@@ -537,26 +558,44 @@ def _local_devices(shard: bool) -> list:
     return list(jax.local_devices()) if shard else [jax.local_devices()[0]]
 
 
-def _run(advance, rows: RowStack, periods, devices) -> dict:
+def _run(advance, rows: RowStack, periods, devices, num_items: int) -> dict:
     """One kernel call, its ops in slices of ``_OP_CHUNK`` (``periods``: None for a
-    call without steady programs); rows are split over ``devices`` when there are several.
+    call without steady programs); rows are split over ``devices`` when there are
+    several. ``advance``: the compiled kernel, or None to run on the host
+    (:func:`~distir_jax.host_timeline.run_ops_host`); rows past ``num_items``
+    are padding.
 
     Only the slices run in jax (one compiled kernel per sweep); the zero
-    timeline before them and the results after them are computed on the host.
-    Calls are asynchronous: the host stacks the next slice of ops while the
-    kernel runs the last one.
+    timeline before them, the ops' costs and the results after them are
+    computed on the host. Calls are asynchronous: the host prepares the next
+    slice of ops while the kernel runs the last.
     """
-    shard = _config_sharding(tuple(devices))
     first = rows.program(0, _OP_CHUNK)
-    begin, rates = _begin_rows(first, rows.hardware, xp=np)
-    state = jax.device_put(begin, _config_sharding(tuple(devices), configs_last=True))
-    rates = jax.device_put(rates, shard)
+    state, rates = _begin_rows(first, rows.hardware, xp=np)
+    if advance is not None:
+        state = jax.device_put(state, _config_sharding(tuple(devices), configs_last=True))
+    left = np.where(np.arange(rows.num_rows) < num_items, rows.per_device["num_ops"], 0)
     for lo in range(0, rows.capacity.num_ops, _OP_CHUNK):
         chunk = first if lo == 0 else rows.program(lo, lo + _OP_CHUNK)
-        weight = () if periods is None else (periods["op_weight"][:, lo : lo + _OP_CHUNK],)
-        state = advance(state, rates, *jax.device_put((chunk, *weight), shard))
+        weight = None if periods is None else periods["op_weight"][:, lo : lo + _OP_CHUNK]
+        costs = op_costs(chunk, rates, weight, split_compute=True, xp=np)
+        if advance is None:
+            state = run_ops_host(state, chunk, costs, left - lo)
+        else:
+            structure = _structure(chunk)
+            on_devices = jax.device_put(
+                (structure, costs), (_config_sharding(tuple(devices)), _config_sharding(tuple(devices), True))
+            )
+            state = advance(state, *on_devices)
     state = jax.tree_util.tree_map(np.asarray, state)
     return _end_rows(state, first, rows.hardware, periods, xp=np)
+
+
+def _host_seconds(chunk) -> float:
+    """Estimated seconds to run a call's rows on the host (:func:`run_ops_host`)."""
+    steps = max(item[1].capacity.num_ops for item in chunk)
+    op_rows = sum(item[1].capacity.num_ops for item in chunk)
+    return steps * _HOST_SECONDS_PER_STEP + op_rows * _HOST_SECONDS_PER_OP_ROW
 
 
 def _config_sharding(devices: tuple, configs_last: bool = False):
@@ -570,10 +609,16 @@ def _config_sharding(devices: tuple, configs_last: bool = False):
 
 @dataclasses.dataclass
 class _Call:
-    """A kernel call's shape, and its compiled executable (compiled in the background)."""
+    """A kernel call's shape, and its compiled executable (compiled in the background;
+    None: the call runs on the host)."""
 
     num_rows: int
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future | None
+    due: float = 0.0  # when the compile should be done (time.perf_counter())
+
+    def ready(self) -> bool:
+        """Whether the call can run now without waiting for a compile."""
+        return self.future is None or self.future.done()
 
     def result(self):
         return self.future.result()
@@ -586,19 +631,21 @@ _COMPILER = concurrent.futures.ThreadPoolExecutor(
     max_workers=max(1, min(4, (os.cpu_count() or 1))), thread_name_prefix="distir-jax-compile"
 )
 _COMPILED: dict[tuple, concurrent.futures.Future] = {}
+_COMPILE_DUE: dict[tuple, float] = {}  # when each compile should be done
 
 
-def _compiled_call(capacity: Capacity, num_rows: int, devices: list, steady: bool) -> _Call:
-    """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new
-    (``steady``: the variant that extrapolates short steady programs). The kernel
-    runs ``_OP_CHUNK`` ops at a time, so one compiled call serves every op count."""
+def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
+    """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new.
+    The kernel runs ``_OP_CHUNK`` ops at a time, costed on the host, so one
+    compiled call serves every op count, steady programs or not."""
     capacity = _kernel_capacity(capacity)
-    key = (_target(devices, steady), capacity, num_rows)
+    key = (_target(devices), capacity, num_rows)
     future = _COMPILED.get(key)
     if future is None or (future.done() and future.exception() is not None):  # retry failures
         x64 = key[0][1]  # the caller's setting: a `with jax.enable_x64()` does not reach other threads
-        future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows, x64, steady)
-    return _Call(num_rows, future)
+        future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows, x64)
+        _COMPILE_DUE[key] = time.perf_counter() + _SECONDS_PER_COMPILE
+    return _Call(num_rows, future, _COMPILE_DUE.get(key, 0.0))
 
 
 def _kernel_capacity(capacity: Capacity) -> Capacity:
@@ -611,61 +658,60 @@ def _whole_slices(capacity: Capacity) -> Capacity:
     return dataclasses.replace(capacity, num_ops=-(-capacity.num_ops // _OP_CHUNK) * _OP_CHUNK)
 
 
-def _compiled_cover(capacity: Capacity, devices: list, steady: bool) -> Capacity:
+def _compiled_cover(capacity: Capacity, devices: list) -> Capacity:
     """``capacity``, padded to the device and slot counts of a compiled call that holds it, if any.
 
     Padding a call to a compiled kernel's device and slot counts costs less than a compile.
     """
-    target, kernel = _target(devices, steady), _kernel_capacity(capacity)
+    target, kernel = _target(devices), _kernel_capacity(capacity)
     covers = [key[1] for key in _COMPILED if key[0] == target and _holds(key[1], kernel)]
     cover = min(covers, key=Capacity.sizes, default=kernel)
     return dataclasses.replace(cover, num_ops=capacity.num_ops)
 
 
-def _target(devices: list, steady: bool) -> tuple:
-    """What a compiled kernel depends on besides its shapes: the devices, whether jax
-    computes in float64 (the kernel's float type follows ``jax_enable_x64`` when traced),
-    and whether it extrapolates steady programs."""
-    return tuple(devices), bool(jax.config.jax_enable_x64), bool(steady)
+def _target(devices: list) -> tuple:
+    """What a compiled kernel depends on besides its shapes: the devices, and whether
+    jax computes in float64 (the kernel's float type follows ``jax_enable_x64`` when traced)."""
+    return tuple(devices), bool(jax.config.jax_enable_x64)
 
 
 def _holds(outer: Capacity, inner: Capacity) -> bool:
     return all(a >= b for a, b in zip(outer.sizes(), inner.sizes(), strict=True))
 
 
-def _compiled_row_counts(capacity: Capacity, devices: list, steady: bool) -> list[int]:
+def _compiled_row_counts(capacity: Capacity, devices: list) -> list[int]:
     """Row counts with a kernel compiled (or compiling) for ``capacity`` on ``devices``."""
-    key = (_target(devices, steady), _kernel_capacity(capacity))
+    key = (_target(devices), _kernel_capacity(capacity))
     return [k[2] for k in _COMPILED if k[:2] == key]
 
 
 def _any_steady(items) -> bool:
-    """Whether any of ``(config, prepared, variant, engine)`` items is a short steady program:
-    its call needs the kernel variant that extrapolates (the other compiles faster)."""
+    """Whether any of ``(config, prepared, variant, engine)`` items is a short steady
+    program (its call then weights the period's ops and extrapolates)."""
     return any(item[1].steady is not None for item in items)
 
 
-def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool, steady: bool):
+def _compile(devices: tuple, capacity: Capacity, num_rows: int, x64: bool):
     """The kernel of a call: one slice of ops (:func:`_advance_rows`), compiled."""
     with jax.enable_x64(x64):
-        rows = _config_sharding(devices)
-        program, hardware, periods = row_shapes(capacity, num_rows, rows)
+        rows, last = _config_sharding(devices), _config_sharding(devices, configs_last=True)
+        program, hardware, _ = row_shapes(capacity, num_rows, rows)
         state, rates = jax.eval_shape(_begin_rows, program, hardware)
-        last = _config_sharding(devices, configs_last=True)
-        state = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=last), state)
-        rates = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), rates)
-        weight = (periods["op_weight"],) if steady else ()
-        return _runner(devices, steady).lower(state, rates, program, *weight).compile()
+        on_last = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=last)  # noqa: E731
+        state = jax.tree_util.tree_map(on_last, state)
+        costs = jax.eval_shape(functools.partial(op_costs, split_compute=True), program, rates)
+        costs = jax.tree_util.tree_map(on_last, costs)
+        return _runner(devices).lower(state, _structure(program), costs).compile()
 
 
 @functools.cache
-def _runner(devices: tuple, steady: bool):
+def _runner(devices: tuple):
     """:func:`_advance_rows`, jitted; over several devices, each runs its slice of the rows."""
     if len(devices) == 1:
         return jax.jit(_advance_rows)
     rows, last = PartitionSpec(CONFIG_AXIS), PartitionSpec(None, CONFIG_AXIS)
     state = Timeline(last, last, last, last)  # the kernel keeps configurations last
-    in_specs = (state, rows, rows) + ((rows,) if steady else ())
+    in_specs = (state, rows, OpCosts(last, last, last))
     mesh = Mesh(np.asarray(devices), (CONFIG_AXIS,))
     # The kernel starts its scan from fresh (unvarying) zeros; per-device slices never
     # communicate, so the varying-axis check has nothing to protect here.
@@ -680,8 +726,8 @@ def _simulate_rows(program, hardware, periods=None) -> dict:
     (:func:`_run`); see :func:`_end_rows` for ``periods``.
     """
     state, rates = _begin_rows(program, hardware)
-    weight = () if periods is None else (periods["op_weight"],)
-    state = _advance_rows(state, rates, program, *weight)
+    weight = None if periods is None else periods["op_weight"]
+    state = _advance_rows(state, _structure(program), op_costs(program, rates, weight, split_compute=True))
     return _end_rows(state, program, hardware, periods)
 
 
@@ -694,10 +740,25 @@ def _begin_rows(program, hardware, xp=jnp):
     return state, hardware_rows(hardware, per_config_structure=True, xp=xp)
 
 
-def _advance_rows(state, rates, program, op_weight=None):
-    """Runs one slice of every row's ops (``op_weight``: how many times the long
-    program runs each op, for the busy and compute totals)."""
-    return run_ops(state, program, rates, weights=op_weight)[0]
+def _advance_rows(state, structure, costs: OpCosts):
+    """Runs one slice of every row's ops, costed on the host (:func:`_structure`
+    of the slice, and its :func:`~distir_jax.kernel.op_costs`)."""
+    return run_ops(state, structure, None, precomputed=costs)[0]
+
+
+# What the compiled kernel reads of a slice whose ops are costed already.
+_KERNEL_FIELDS = ("resource", "dep_slot", "out_slot", "resource_device")
+
+
+def _structure(program):
+    """``program`` without what the kernel does not read (None: nothing to transfer)."""
+    return program.replace(
+        **{
+            f.name: None
+            for f in dataclasses.fields(program)
+            if f.name not in _KERNEL_FIELDS + ("num_finish_slots",)
+        }
+    )
 
 
 def _end_rows(state, program, hardware, periods=None, xp=jnp) -> dict:

@@ -2,10 +2,12 @@
 
 import functools
 import importlib
+import math
 import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -96,11 +98,12 @@ def test_one_compiled_kernel_serves_many_structural_keys(swept, monkeypatch):
     capacities = []
     run = evaluate_module._run
 
-    def spy(call, rows, periods, devices):
+    def spy(call, rows, periods, devices, num_items):
         capacities.append(rows.capacity)
-        return run(call, rows, periods, devices)
+        return run(call, rows, periods, devices, num_items)
 
     monkeypatch.setattr(evaluate_module, "_run", spy)
+    monkeypatch.setattr(evaluate_module, "_HOST_CALL_SECONDS", 0)  # every call runs the compiled kernel
     monkeypatch.setattr(evaluate_module, "_COMPILED", {})
     evaluate(subset, progress=False)
     assert len(evaluate_module._COMPILED) == 1  # one compile
@@ -173,8 +176,11 @@ SHARDING_SCRIPT = textwrap.dedent("""
     import jax
     from distir_jax.transforms import coarse_steady
     from search import StrategySpace, enumerate_configs, evaluate
+    import importlib
     from search._fast import FastEngine
+    evaluate_module = importlib.import_module("search.evaluate")
     assert len(jax.local_devices()) == 4, jax.local_devices()
+    evaluate_module._HOST_CALL_SECONDS = 0  # every call runs the compiled kernel, sharded or not
     coarse_steady.MIN_LONG_OPS = 0  # short steady programs for the long pipelines here too
     space = StrategySpace(model="mlp-xs", world_sizes=(1, 2, 4), global_batch_sizes=(16, 64),
                           tensor=(1,), microbatches=(2, 4, 16))
@@ -202,6 +208,34 @@ def test_sharded_and_unsharded_tables_are_identical():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SHARDED_OK" in done.stdout
+
+
+def test_calls_run_on_the_host_give_the_compiled_kernels_table_bit_for_bit(monkeypatch):
+    # A call whose kernel is still compiling may run on the host instead.
+    from distir_jax.transforms import coarse_steady
+
+    monkeypatch.setattr(coarse_steady, "MIN_LONG_OPS", 0)  # short steady programs here too
+    space = StrategySpace(
+        model="mlp-xs", world_sizes=(1, 2, 4), global_batch_sizes=(16, 64), microbatches=(2, 4, 16)
+    )
+    ran = []
+    run = evaluate_module._run
+
+    def spy(call, rows, periods, devices, num_items):
+        ran.append((call is None, periods is not None))
+        return run(call, rows, periods, devices, num_items)
+
+    monkeypatch.setattr(evaluate_module, "_run", spy)
+    monkeypatch.setattr(evaluate_module, "_HOST_CALL_SECONDS", 0)
+    compiled = evaluate(space, progress=False)
+    calls = len(ran)
+    monkeypatch.setattr(evaluate_module, "_HOST_CALL_SECONDS", math.inf)
+    never = lambda capacity, num_rows, devices: evaluate_module._Call(num_rows, Future())  # noqa: E731
+    monkeypatch.setattr(evaluate_module, "_compiled_call", never)  # kernels that never finish compiling
+    host = evaluate(space, progress=False)
+    assert not any(on_host for on_host, _ in ran[:calls]) and all(on_host for on_host, _ in ran[calls:])
+    assert any(steady for _, steady in ran)
+    assert compiled == host
 
 
 def test_row_windows_equal_the_whole_stack(swept):
@@ -232,29 +266,28 @@ def test_a_compiled_kernel_serves_rows_of_any_length_that_fit_its_other_sizes(mo
 
     chunk = evaluate_module._OP_CHUNK
     devices = [jax.local_devices()[0]]
-    target = evaluate_module._target(devices, False)
+    target = evaluate_module._target(devices)
     monkeypatch.setattr(evaluate_module, "_COMPILED", {(target, cap(chunk, 8), 32): None})
     # A call runs its ops a slice at a time: any op count fits the compiled kernel.
-    assert evaluate_module._compiled_cover(cap(4096, 4), devices, False) == cap(4096, 8)
-    assert evaluate_module._compiled_cover(cap(300 * chunk, 8), devices, False) == cap(300 * chunk, 8)
+    assert evaluate_module._compiled_cover(cap(4096, 4), devices) == cap(4096, 8)
+    assert evaluate_module._compiled_cover(cap(300 * chunk, 8), devices) == cap(300 * chunk, 8)
     # Rows on 16 devices cannot run in the 8-device kernel.
-    assert evaluate_module._compiled_cover(cap(4096, 16), devices, False) == cap(4096, 16)
-    # Steady programs need the kernel variant that extrapolates them: none is compiled.
-    assert evaluate_module._compiled_cover(cap(4096, 4), devices, True) == cap(4096, 4)
-    assert evaluate_module._compiled_row_counts(cap(4096, 8), devices, False) == [32]
+    assert evaluate_module._compiled_cover(cap(4096, 16), devices) == cap(4096, 16)
+    assert evaluate_module._compiled_row_counts(cap(4096, 8), devices) == [32]
 
 
 def test_compiled_kernels_are_kept_apart_by_float_width():
     devices = [jax.local_devices()[0]]
     with jax.enable_x64(False):
-        narrow = evaluate_module._target(devices, False)
+        narrow = evaluate_module._target(devices)
     with jax.enable_x64(True):  # as tests/test_kernel.py switches it
-        assert evaluate_module._target(devices, False) != narrow  # a float32 kernel is not reused under x64
+        assert evaluate_module._target(devices) != narrow  # a float32 kernel is not reused under x64
 
 
-def test_a_sweep_under_x64_compiles_its_kernel_for_x64():
+def test_a_sweep_under_x64_compiles_its_kernel_for_x64(monkeypatch):
     # Kernels compile in a background thread, which a `with jax.enable_x64()` does not reach.
     space = StrategySpace(model="mlp-xs", world_sizes=(2,), global_batch_sizes=(16,), microbatches=(2,))
+    monkeypatch.setattr(evaluate_module, "_HOST_CALL_SECONDS", 0)  # compile, however small the sweep
     narrow = evaluate(space, progress=False)
     with jax.enable_x64(True):
         wide = evaluate(space, progress=False)
