@@ -23,7 +23,9 @@ from distir_jax.lower import Program
 __all__ = ["run_ops_host"]
 
 
-def run_ops_host(state: Timeline, program: Program, costs: OpCosts, num_ops=None) -> Timeline:
+def run_ops_host(
+    state: Timeline, program: Program, costs: OpCosts, num_ops=None, *, record_ops: bool = False
+) -> tuple[Timeline, tuple | None]:
     """:func:`~distir_jax.kernel.run_ops` on the host: exact semantics,
     per-configuration structure ``[B, N, ...]`` and precomputed ``costs``.
 
@@ -37,8 +39,12 @@ def run_ops_host(state: Timeline, program: Program, costs: OpCosts, num_ops=None
         still matter: sorting rows longest first makes that most of them, and
         rows at the end given 0 (a call's padding rows) are never run.
 
+      record_ops: also return every op's ``(start, finish)``, ``[N, B]`` each
+        (zeros for the ops of rows a step skips).
+
     Returns:
-      The timeline after the ops (new arrays; ``state`` is not changed).
+      The timeline after the ops (new arrays; ``state`` is not changed), and
+      the ops' times with ``record_ops`` (else None), as :func:`~distir_jax.kernel.run_ops`.
     """
     clock, finish = np.asarray(state.clock), np.asarray(state.finish)
     num_resources, b = clock.shape
@@ -72,17 +78,21 @@ def run_ops_host(state: Timeline, program: Program, costs: OpCosts, num_ops=None
     charged = np.stack([np.asarray(x)[:n, :rows] for x in charged], 1)[:, :, None, :]  # [n, parts, 1, rows]
     seconds = np.asarray(costs.seconds)
     flat_times, flat_totals = times.reshape(-1), totals.reshape(-1)
+    recorded = (np.zeros((n, b), clock.dtype), np.zeros((n, b), clock.dtype)) if record_ops else None
     for i in range(n):
         a = live[i]
         if a == 0:
             break
-        fin = flat_times.take(reads[i, :, :a]).max(axis=0) + seconds[i, :a]
+        start = flat_times.take(reads[i, :, :a]).max(axis=0)
+        fin = start + seconds[i, :a]
+        if record_ops:
+            recorded[0][i, :a], recorded[1][i, :a] = start, fin
         flat_times.put(writes[i, :, :a], fin)  # broadcast over the op's slots and its finish slot
         where = adds[i, ..., :a]
         flat_totals.put(where, flat_totals.take(where) + charged[i, ..., :a])
     busy = totals[0, :num_resources]
     compute = totals[1, :num_resources] if len(parts) > 1 else None
-    return Timeline(times[:num_resources], times[num_resources:zeros], busy, compute)
+    return Timeline(times[:num_resources], times[num_resources:zeros], busy, compute), recorded
 
 
 def _repeats(index: np.ndarray, valid: np.ndarray) -> bool:

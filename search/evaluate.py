@@ -580,7 +580,7 @@ def _run(advance, rows: RowStack, periods, devices, num_items: int) -> dict:
         weight = None if periods is None else periods["op_weight"][:, lo : lo + _OP_CHUNK]
         costs = op_costs(chunk, rates, weight, split_compute=True, xp=np)
         if advance is None:
-            state = run_ops_host(state, chunk, costs, left - lo)
+            state, _ = run_ops_host(state, chunk, costs, left - lo)
         else:
             structure = _structure(chunk)
             on_devices = jax.device_put(
@@ -719,16 +719,17 @@ def _runner(devices: tuple):
     return jax.jit(sharded)
 
 
-def _simulate_rows(program, hardware, periods=None) -> dict:
-    """Kernel plus the compute / communication / bubble breakdown, ``[B]`` each, of whole programs.
+def simulate_on_host(program, hardware, periods=None) -> tuple[dict, tuple]:
+    """Whole programs on the host (no compile): the breakdown of :func:`_end_rows`,
+    ``[B]`` each, and every op's ``(start, finish)``, ``[B, N]`` each.
 
-    A sweep's call runs the same three steps with the ops in slices
-    (:func:`_run`); see :func:`_end_rows` for ``periods``.
+    A sweep's call runs the same steps with the ops in slices (:func:`_run`).
     """
-    state, rates = _begin_rows(program, hardware)
+    state, rates = _begin_rows(program, hardware, xp=np)
     weight = None if periods is None else periods["op_weight"]
-    state = _advance_rows(state, _structure(program), op_costs(program, rates, weight, split_compute=True))
-    return _end_rows(state, program, hardware, periods)
+    costs = op_costs(program, rates, weight, split_compute=True, xp=np)
+    state, (start, finish) = run_ops_host(state, program, costs, record_ops=True)
+    return _end_rows(state, program, hardware, periods, xp=np), (start.T, finish.T)
 
 
 def _begin_rows(program, hardware, xp=jnp):

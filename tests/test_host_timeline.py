@@ -29,7 +29,8 @@ def _batch(seed: int, num_rows: int, num_streams: int = 2):
 
 
 def _compiled(state, window, costs):
-    return jax.jit(lambda s, p, c: run_ops(s, p, None, precomputed=c)[0])(state, window, costs)
+    run = lambda s, p, c: run_ops(s, p, None, precomputed=c, record_ops=True)  # noqa: E731
+    return jax.jit(run)(state, window, costs)
 
 
 @pytest.mark.parametrize("x64", [False, True])
@@ -45,8 +46,10 @@ def test_host_timeline_equals_the_kernel_bit_for_bit(x64, seed):
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             window = _op_window(stacked, lo, hi)
             costs = op_costs(window, rows, weights[:, lo:hi], split_compute=True, xp=np)
-            host = run_ops_host(host, window, costs)
-            kernel = _compiled(kernel, window, costs)
+            host, host_ops = run_ops_host(host, window, costs, record_ops=True)
+            kernel, kernel_ops = _compiled(kernel, window, costs)
+            for got, want in zip(host_ops, kernel_ops, strict=True):  # every op's start and finish
+                np.testing.assert_array_equal(got, np.asarray(want))
         # Costs computed inside the kernel instead: the same up to rounding.
         inside, _ = run_ops(start, stacked, rows, weights=weights)
     assert host.clock.dtype == (np.float64 if x64 else np.float32)
@@ -63,10 +66,10 @@ def test_rows_past_the_last_running_one_are_skipped():
     rows = hardware_rows(hardware, per_config_structure=True, xp=np)
     costs = op_costs(stacked, rows, xp=np)
     start = start_timeline(capacity.num_resources, capacity.finish_slots, 4, xp=np)
-    full = run_ops_host(start, stacked, costs)
+    full, _ = run_ops_host(start, stacked, costs)
     counts = np.asarray([p.num_ops for p in programs])
     counts[3] = 0  # the last row (a call's padding row) is not run
-    skipped = run_ops_host(start, stacked, costs, num_ops=counts)
+    skipped, _ = run_ops_host(start, stacked, costs, num_ops=counts)
     for name in ("clock", "finish", "busy"):
         got, want = getattr(skipped, name), getattr(full, name)
         np.testing.assert_array_equal(got[:, :3], want[:, :3], err_msg=name)

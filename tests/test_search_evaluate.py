@@ -132,6 +132,24 @@ def test_held_programs_stay_bounded_and_early_calls_change_nothing(swept, monkey
     assert tight == evaluate(subset, progress=False)
 
 
+def test_one_configuration_in_detail_matches_the_reference_op_by_op(swept):
+    # simulate_config runs on the host (no compile): every op's times as the reference's.
+    from search.single import simulate_config
+
+    configs, table = swept
+    picked = [i for i, c in enumerate(configs) if c.valid and c.pipeline > 1 and c.data > 1][:2]
+    picked += [i for i, c in enumerate(configs) if c.valid and c.tensor > 1][:1]
+    assert len(picked) == 3
+    for i in picked:
+        one = simulate_config(configs[i])
+        reference = reference_simulate(one.function, configs[i].topology())
+        np.testing.assert_allclose(one.op_finish, reference.op_finish, rtol=1e-5, atol=1e-12)
+        np.testing.assert_allclose(one.row["step_time_s"], reference.step_time, rtol=1e-5)
+        np.testing.assert_allclose(one.row["step_time_s"], table["step_time_s"][i], rtol=1e-5)
+        assert one.row["peak_memory_bytes"] == table["peak_memory_bytes"][i]
+        assert (one.op_start <= one.op_finish).all() and len(one.op_start) == len(one.function.ops)
+
+
 def test_out_of_memory_rows_are_simulated_and_explained():
     # mlp-medium's weights alone (64 x 16384^2 x 4 bytes, ~69 GB) overflow a 16 GB V100.
     space = StrategySpace(model="mlp-medium", world_sizes=(1,), hardware="v100-pcie-4", dtype="f32")
