@@ -211,19 +211,21 @@ class RowStack:
         source_lengths = [lengths[m] for m, _ in sources]
         self._feature_start = np.cumsum([0] + source_lengths)[row_source]
 
-    def program(self, lo: int, hi: int) -> Program:
-        """The rows' ops ``lo .. hi`` (padding past each program's end), with the per-device arrays."""
+    def program(self, lo: int, hi: int, rows: int | None = None) -> Program:
+        """The rows' ops ``lo .. hi`` (padding past each program's end), with the
+        per-device arrays; only the first ``rows`` rows if given."""
+        rows = self.num_rows if rows is None else rows
         at = np.arange(lo, hi)[None, :]
-        inside = at < self._length[:, None]
+        inside = at < self._length[:rows, None]
         where = {
-            False: np.where(inside, self._start[:, None] + at, len(self._flat["resource"]) - 1),
-            True: np.where(inside, self._feature_start[:, None] + at, len(self._flat["flops"]) - 1),
+            False: np.where(inside, self._start[:rows, None] + at, len(self._flat["resource"]) - 1),
+            True: np.where(inside, self._feature_start[:rows, None] + at, len(self._flat["flops"]) - 1),
         }
         arrays = {name: np.take(self._flat[name], where[name in _OP_FEATURES], axis=0) for name in _OP_FIELDS}
-        placeholder = np.zeros((self.num_rows, 1, 1), np.float32)
+        placeholder = np.zeros((rows, 1, 1), np.float32)
         return Program(
             **arrays,
-            **self.per_device,
+            **{name: x[:rows] for name, x in self.per_device.items()},
             alloc_bytes=placeholder,
             free_bytes=placeholder,
             num_finish_slots=self.capacity.finish_slots,

@@ -576,17 +576,28 @@ def _run(advance, rows: RowStack, periods, devices, num_items: int) -> dict:
         state = jax.device_put(state, _config_sharding(tuple(devices), configs_last=True))
     left = np.where(np.arange(rows.num_rows) < num_items, rows.per_device["num_ops"], 0)
     for lo in range(0, rows.capacity.num_ops, _OP_CHUNK):
-        chunk = first if lo == 0 else rows.program(lo, lo + _OP_CHUNK)
-        weight = None if periods is None else periods["op_weight"][:, lo : lo + _OP_CHUNK]
-        costs = op_costs(chunk, rates, weight, split_compute=True, xp=np)
+        r = rows.num_rows
+        if advance is None:  # the host runs only the rows with ops left (longest first: a prefix)
+            running = np.flatnonzero(left > lo)
+            if not len(running):
+                break
+            r = int(running[-1]) + 1
+        chunk = first if lo == 0 and r == rows.num_rows else rows.program(lo, lo + _OP_CHUNK, r)
+        weight = None if periods is None else periods["op_weight"][:r, lo : lo + _OP_CHUNK]
+        some = (
+            rates
+            if r == rows.num_rows
+            else dataclasses.replace(rates, table=rates.table[:r], launch=rates.launch[:r])
+        )
+        costs = op_costs(chunk, some, weight, split_compute=True, xp=np)
         if advance is None:
             state, _ = run_ops_host(state, chunk, costs, left - lo)
         else:
-            structure = _structure(chunk)
-            on_devices = jax.device_put(
-                (structure, costs), (_config_sharding(tuple(devices)), _config_sharding(tuple(devices), True))
+            shardings = (
+                _config_sharding(tuple(devices)),
+                _config_sharding(tuple(devices), configs_last=True),
             )
-            state = advance(state, *on_devices)
+            state = advance(state, *jax.device_put((_structure(chunk), costs), shardings))
     state = jax.tree_util.tree_map(np.asarray, state)
     return _end_rows(state, first, rows.hardware, periods, xp=np)
 

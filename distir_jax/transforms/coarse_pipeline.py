@@ -270,8 +270,11 @@ def pipeline_template(
     if step_costs is not None:  # hashable: the data-parallel modes of one pipeline share a core
         step_costs = np.asarray(step_costs, np.float64)
         costs = (step_costs.shape, tuple(step_costs.ravel().tolist()))
-    core = _cached_core(int(pipeline), int(microbatches), int(virtual_stages), schedule, costs)
-    return _build_template(core, mode, segments, updates)
+    # Cached whole: a sweep's keys that differ only in data-parallel degree share
+    # a template (their step costs are the pipeline transform's, before data
+    # parallelism splits the microbatches), and with it its derived tables.
+    key = (int(pipeline), int(microbatches), int(virtual_stages), schedule, costs)
+    return _cached_built(*key, mode, segments, updates)
 
 
 def hashable_plan(segments, updates) -> tuple:
@@ -288,28 +291,43 @@ def _cached_template(p, k, v, schedule, mode):
     return _build_template(_cached_core(p, k, v, schedule, None), mode)
 
 
-class _CoreCache:
-    """Cores of recent pipelines, least recently used first, bounded in bytes: sweeps
-    revisit a pipeline for each data-parallel degree and mode, and GPT-3-sized
-    cores are tens of MB each."""
+class _BoundedCache:
+    """Recent results of ``build``, least recently used first, bounded in bytes:
+    sweeps revisit a pipeline for each data-parallel degree and mode, and
+    GPT-3-sized cores and templates are tens of MB each."""
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.held, self.cores = max_bytes, 0, collections.OrderedDict()
+    def __init__(self, build, nbytes, max_bytes: int):
+        self.build, self.nbytes, self.max_bytes = build, nbytes, max_bytes
+        self.held, self.items = 0, collections.OrderedDict()
 
-    def get(self, p, k, v, schedule, costs) -> dict:
-        key = (p, k, v, schedule, costs)
-        if key in self.cores:
-            self.cores.move_to_end(key)
-            return self.cores[key]
-        step_costs = None if costs is None else np.asarray(costs[1], np.float64).reshape(costs[0])
-        core = self.cores[key] = _core(p, k, v, schedule, step_costs)
-        self.held += _nbytes(core)
-        while len(self.cores) > 1 and self.held > self.max_bytes:
-            self.held -= _nbytes(self.cores.popitem(last=False)[1])
-        return core
+    def get(self, *key):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.items[key] = self.build(*key)
+        self.held += self.nbytes(value)
+        while len(self.items) > 1 and self.held > self.max_bytes:
+            self.held -= self.nbytes(self.items.popitem(last=False)[1])
+        return value
 
 
-_cached_core = _CoreCache(256 << 20).get
+def _new_core(p, k, v, schedule, costs) -> dict:
+    step_costs = None if costs is None else np.asarray(costs[1], np.float64).reshape(costs[0])
+    return _core(p, k, v, schedule, step_costs)
+
+
+def _new_template(p, k, v, schedule, costs, mode, segments, updates) -> PipelineTemplate:
+    return _build_template(_cached_core(p, k, v, schedule, costs), mode, segments, updates)
+
+
+def _template_nbytes(template: PipelineTemplate) -> int:
+    # Its derived tables (cached properties) come to about as much again.
+    fields = (getattr(template, f.name) for f in dataclasses.fields(template))
+    return 2 * sum(x.nbytes for x in fields if isinstance(x, np.ndarray))
+
+
+_cached_core = _BoundedCache(_new_core, lambda core: _nbytes(core), 256 << 20).get
+_cached_built = _BoundedCache(_new_template, _template_nbytes, 256 << 20).get
 
 
 def _nbytes(core: dict) -> int:
