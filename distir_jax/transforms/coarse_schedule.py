@@ -27,6 +27,8 @@ issue order without a Python loop over steps:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["check_step_costs", "estimated_times", "issue_order", "message_times", "schedule_arrays"]
@@ -41,7 +43,8 @@ def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
 
     Returns:
       ``(chunk, microbatch, backward)``, each ``[p, 2 k v]``: device ``s``'s
-      steps in order; ``backward`` is True for a backward pass.
+      steps in order; ``backward`` is True for a backward pass. Read only:
+      they are cached (sweeps ask for one schedule with many step costs).
 
     Raises:
       ValueError: for an unknown schedule, ``v > 1`` without ``"interleaved"``,
@@ -58,6 +61,11 @@ def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
         raise ValueError(
             f"the interleaved schedule needs microbatches to be a multiple of degree, got {k} and {p}"
         )
+    return _schedule_arrays(schedule, int(p), int(k), int(v))
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule_arrays(schedule: str, p: int, k: int, v: int):
     rows = []
     for s in range(p):
         if schedule == "gpipe":
@@ -69,9 +77,12 @@ def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
         else:
             chunk, mb, backward = _interleaved(s, p, k, v)
         rows.append((chunk, mb, backward))
-    return tuple(
+    arrays = tuple(
         np.stack([r[i] for r in rows]).astype(dtype) for i, dtype in enumerate((np.int64, np.int64, bool))
     )
+    for x in arrays:
+        x.setflags(write=False)
+    return arrays
 
 
 def _interleave(forward: np.ndarray, backward: np.ndarray, warm: int, backward_first: bool):
