@@ -158,7 +158,13 @@ class LayerFeatures:
         """These features for some of the size variants only, in the order given.
 
         A sweep measures a block once for every microbatch size it needs; each
-        program needs only its own, and its arrays scale with their number."""
+        program needs only its own, and its arrays scale with their number.
+        Cached: the keys of a sweep that need the same sizes share one object,
+        and so the caches keyed by features (chunk costs, data-parallel
+        collectives, reduction peaks) serve all of them."""
+        return _take_variants(self, tuple(int(x) for x in variants))
+
+    def _subset(self, variants: tuple[int, ...]) -> LayerFeatures:
         v = list(variants)
         return dataclasses.replace(
             self,
@@ -184,6 +190,11 @@ class LayerFeatures:
           gradient and an ``AllGather`` of each updated weight shard.
         """
         return _data_parallel(self, int(degree), bool(zero))
+
+
+@functools.lru_cache(maxsize=4096)
+def _take_variants(features: LayerFeatures, variants: tuple[int, ...]) -> LayerFeatures:
+    return features._subset(variants)
 
 
 @functools.lru_cache(maxsize=4096)
