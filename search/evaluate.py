@@ -641,8 +641,11 @@ class _Call:
 _COMPILER = concurrent.futures.ThreadPoolExecutor(
     max_workers=max(1, min(4, (os.cpu_count() or 1))), thread_name_prefix="distir-jax-compile"
 )
+# Compiled kernels, oldest first; past _MAX_COMPILED the oldest finished ones
+# go (a long notebook session sweeps many shapes; a call holds its own).
 _COMPILED: dict[tuple, concurrent.futures.Future] = {}
 _COMPILE_DUE: dict[tuple, float] = {}  # when each compile should be done
+_MAX_COMPILED = 32
 
 
 def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
@@ -654,8 +657,12 @@ def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
     future = _COMPILED.get(key)
     if future is None or (future.done() and future.exception() is not None):  # retry failures
         x64 = key[0][1]  # the caller's setting: a `with jax.enable_x64()` does not reach other threads
+        _COMPILED.pop(key, None)
         future = _COMPILED[key] = _COMPILER.submit(_compile, tuple(devices), capacity, num_rows, x64)
         _COMPILE_DUE[key] = time.perf_counter() + _SECONDS_PER_COMPILE
+        for old in [k for k, f in _COMPILED.items() if f.done()][: max(0, len(_COMPILED) - _MAX_COMPILED)]:
+            del _COMPILED[old]
+            _COMPILE_DUE.pop(old, None)
     return _Call(num_rows, future, _COMPILE_DUE.get(key, 0.0))
 
 

@@ -294,6 +294,19 @@ def test_a_compiled_kernel_serves_rows_of_any_length_that_fit_its_other_sizes(mo
     assert evaluate_module._compiled_row_counts(cap(4096, 8), devices) == [32]
 
 
+def test_compiled_kernels_are_bounded_oldest_finished_first(monkeypatch):
+    done, running = Future(), Future()
+    done.set_result(None)
+    compiled = {("old", i): done for i in range(3)} | {("running", 0): running}
+    monkeypatch.setattr(evaluate_module, "_COMPILED", compiled)
+    monkeypatch.setattr(evaluate_module, "_MAX_COMPILED", 3)
+    monkeypatch.setattr(evaluate_module._COMPILER, "submit", lambda *args: running)
+    capacity = Capacity(512, 2, 1, 64, 2, 4)
+    evaluate_module._compiled_call(capacity, 32, [jax.local_devices()[0]])
+    # Five entries, at most three kept: the two oldest finished go, the running compile stays.
+    assert list(compiled)[:2] == [("old", 2), ("running", 0)] and len(compiled) == 3
+
+
 def test_compiled_kernels_are_kept_apart_by_float_width():
     devices = [jax.local_devices()[0]]
     with jax.enable_x64(False):
