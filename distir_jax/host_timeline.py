@@ -38,7 +38,6 @@ def run_ops_host(
         changes nothing). Each step skips the rows past the last one whose ops
         still matter: sorting rows longest first makes that most of them, and
         rows at the end given 0 (a call's padding rows) are never run.
-
       record_ops: also return every op's ``(start, finish)``, ``[N, B]`` each
         (zeros for the ops of rows a step skips).
 
@@ -87,7 +86,8 @@ def run_ops_host(
         fin = start + seconds[i, :a]
         if record_ops:
             recorded[0][i, :a], recorded[1][i, :a] = start, fin
-        flat_times.put(writes[i, :, :a], fin)  # broadcast over the op's slots and its finish slot
+        # `put` repeats `fin` over the op's slots and its finish slot (rows of `a` indices each).
+        flat_times.put(writes[i, :, :a], fin)
         where = adds[i, ..., :a]
         flat_totals.put(where, flat_totals.take(where) + charged[i, ..., :a])
     busy = totals[0, :num_resources]

@@ -242,8 +242,8 @@ def op_costs(
 
     :func:`run_ops` calls it before its scan; a sweep calls it on the host
     (``xp=numpy``, exact semantics) and passes the result to :func:`run_ops`
-    or :func:`run_ops_host`, which then only add, compare and move clocks: the
-    two give the same timeline, bit for bit.
+    or :func:`~distir_jax.host_timeline.run_ops_host`, which then only add,
+    compare and move clocks: the two give the same timeline, bit for bit.
     """
     if xp is not jnp and temperature is not None:
         raise ValueError("smooth (temperature) costs are computed inside jax only")

@@ -491,10 +491,10 @@ class _Batcher:
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]
-            num_rows = self._num_rows(chunk, capacity)
-            call = (
-                _compiled_call(capacity, num_rows, self.devices) if self.compiling else _Call(num_rows, None)
-            )
+            if self.compiling:
+                call = _compiled_call(capacity, self._num_rows(chunk, capacity), self.devices)
+            else:  # on the host: no padding rows
+                call = _Call(len(chunk), None)
             nbytes = sum({id(p): p.nbytes for _, p, _, _ in chunk}.values())
             self.queue.append((chunk, capacity, call, nbytes))
             self.queued_bytes += nbytes
@@ -584,12 +584,10 @@ def _run(advance, rows: RowStack, periods, devices, num_items: int) -> dict:
             r = int(running[-1]) + 1
         chunk = first if lo == 0 and r == rows.num_rows else rows.program(lo, lo + _OP_CHUNK, r)
         weight = None if periods is None else periods["op_weight"][:r, lo : lo + _OP_CHUNK]
-        some = (
-            rates
-            if r == rows.num_rows
-            else dataclasses.replace(rates, table=rates.table[:r], launch=rates.launch[:r])
-        )
-        costs = op_costs(chunk, some, weight, split_compute=True, xp=np)
+        running_rates = rates
+        if r < rows.num_rows:
+            running_rates = dataclasses.replace(rates, table=rates.table[:r], launch=rates.launch[:r])
+        costs = op_costs(chunk, running_rates, weight, split_compute=True, xp=np)
         if advance is None:
             state, _ = run_ops_host(state, chunk, costs, left - lo)
         else:
