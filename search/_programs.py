@@ -162,8 +162,8 @@ class RowStack:
             variants.append(variant)
         self.members = [(p, np.asarray(rows), np.asarray(variants)) for p, rows, variants in members.values()]
         d = capacity.num_devices
-        hardware_rows: list[Hardware | None] = [None] * num_rows
-        for prepared, rows, variants in self.members:
+        member_hardware, member_of = [], np.zeros(num_rows, np.int64)
+        for m, (prepared, rows, variants) in enumerate(self.members):
             prog = prepared.program
             x = np.asarray(prog.resource_device)
             self.per_device["resource_device"][rows, : x.shape[-1]] = x
@@ -172,11 +172,12 @@ class RowStack:
                 x = np.asarray(getattr(prog, name))
                 self.per_device[name][rows, : x.shape[-1]] = x[variants] if x.ndim > 1 else x
             hw = prepared.hardware
-            hw = pad_hardware(hw, d) if hw.num_devices < d else hw
-            for row in rows:
-                hardware_rows[row] = hw
+            member_hardware.append(pad_hardware(hw, d) if hw.num_devices < d else hw)
+            member_of[rows] = m
+        # Each program's hardware stacked once, then a row per configuration;
         # float32, like the other stacked fields.
-        self.hardware = jax.tree_util.tree_map(lambda x: x.astype(np.float32), stack_hardware(hardware_rows))
+        stacked = stack_hardware(member_hardware)
+        self.hardware = jax.tree_util.tree_map(lambda x: x[member_of].astype(np.float32), stacked)
 
         self._concatenate(items)
 
@@ -199,12 +200,7 @@ class RowStack:
                     parts.append(x[v] if x.ndim > 1 else x)
             else:
                 parts = [np.asarray(getattr(p.program, name)) for p, _, _ in self.members]
-            flat = np.full((sum(len(x) for x in parts) + 1, *shape[2:]), fill, dtype)
-            at = 0
-            for x in parts:
-                flat[(slice(at, at + len(x)), *(slice(0, m) for m in x.shape[1:]))] = x
-                at += len(x)
-            self._flat[name] = flat
+            self._flat[name] = _end_to_end(parts, shape[2:], dtype, fill)
         member_of = np.asarray([index[id(p)] for p, _ in items])
         self._length = np.asarray(lengths)[member_of]
         self._start = np.cumsum([0] + lengths)[member_of]
@@ -230,6 +226,27 @@ class RowStack:
             free_bytes=placeholder,
             num_finish_slots=self.capacity.finish_slots,
         )
+
+
+def _end_to_end(parts: list, trailing: tuple, dtype, fill) -> np.ndarray:
+    """``parts`` (``[n_i, *t_i]`` with ``t_i <= trailing``) one after the other, padded with
+    ``fill`` to ``trailing``, and one padding row at the end."""
+    lengths = [len(x) for x in parts]
+    flat = np.full((sum(lengths) + 1, *trailing), fill, dtype)
+    starts = np.cumsum([0] + lengths)
+    # Parts of one trailing shape are copied in one go (one concatenate, one assignment).
+    by_shape: dict[tuple, list[int]] = {}
+    for i, x in enumerate(parts):
+        by_shape.setdefault(x.shape[1:], []).append(i)
+    for tail, members in by_shape.items():
+        block = np.concatenate([parts[i] for i in members])
+        if len(by_shape) == 1:  # every part: they are already in order
+            flat[(slice(0, len(block)), *(slice(0, m) for m in tail))] = block
+            continue
+        size = np.asarray(lengths)[members]
+        rows = np.arange(len(block)) + np.repeat(starts[members] - (np.cumsum(size) - size), size)
+        flat[(rows, *(slice(0, m) for m in tail))] = block
+    return flat
 
 
 def _row_fields(

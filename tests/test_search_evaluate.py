@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("distir_jax.transforms.parallelize")
 
 from distir_jax.executor.reference import reference_simulate  # noqa: E402
-from distir_jax.lower import Capacity  # noqa: E402
+from distir_jax.lower import Capacity, pad_program  # noqa: E402
 from distir_jax.models import TransformerConfig  # noqa: E402
 from search import ResultTable, StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
 from search._programs import RowStack, stack_rows  # noqa: E402
@@ -276,6 +276,13 @@ def test_row_windows_equal_the_whole_stack(swept):
         for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "flops"):
             whole = np.asarray(getattr(program, name))[:, lo:hi]
             np.testing.assert_array_equal(getattr(window, name), whole, err_msg=name)
+    # Against the lowering's own padding, row by row (padding rows repeat the first).
+    for row, (prepared, variant) in enumerate(items + items[:1] * 3):
+        padded = pad_program(prepared.program, capacity)
+        for name in ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_comm", "flops"):
+            want = np.asarray(getattr(padded, name))
+            want = want[variant] if name == "flops" and want.ndim == 2 else want
+            np.testing.assert_array_equal(np.asarray(getattr(program, name))[row], want, err_msg=name)
 
 
 def test_a_compiled_kernel_serves_rows_of_any_length_that_fit_its_other_sizes(monkeypatch):
