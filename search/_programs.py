@@ -60,9 +60,9 @@ class Prepared:
     def num_variants(self) -> int:
         return self.peak_bytes.shape[0]
 
-    @property
+    @functools.cached_property
     def capacity(self) -> Capacity:
-        return self.program.capacity
+        return self.program.capacity  # (read for every row a sweep batches)
 
     @functools.cached_property
     def nbytes(self) -> int:

@@ -36,7 +36,9 @@ def _positive_int(name: str, value) -> None:
 
 def _dividing(name: str, value: int, what: str, size, extra: str = "") -> None:
     """Raises unless ``value`` divides ``size`` (an int or size variants) everywhere."""
-    if np.any(np.asarray(size) % value != 0):
+    # Plain ints (a sweep validates every row) skip the numpy round trip.
+    divides = size % value == 0 if type(size) is int else not np.any(np.asarray(size) % value != 0)
+    if not divides:
         raise ValueError(
             f"ParallelConfig: {name}={value} must divide the {what}, which is {dim_str(size)}{extra}"
         )
