@@ -372,8 +372,8 @@ class _Batcher:
         self.queued_bytes = 0
 
     def add(self, config: Config, prepared: Prepared, variant: int, engine: str) -> None:
-        per_row = _HOST_SECONDS_PER_OP_ROW + _HOST_SECONDS_PER_STEP / self.max_configs
-        self.host_seconds += prepared.capacity.num_ops * per_row
+        num_ops = prepared.capacity.num_ops  # a row runs its ops and its share of a call's steps
+        self.host_seconds += _host_seconds(num_ops / self.max_configs, num_ops)
         if not self.compiling and self.host_seconds >= _HOST_CALL_SECONDS / 4:
             self.compiling = True
             self._compile_ahead(prepared.capacity)
@@ -509,7 +509,8 @@ class _Batcher:
             # Not compiled yet: run on the host if that should end before the compile does.
             host = call.future is None or (
                 not call.ready()
-                and _host_seconds(chunk) < min(_HOST_CALL_SECONDS, call.due - time.perf_counter())
+                and _host_seconds(*_steps_and_op_rows(chunk))
+                < min(_HOST_CALL_SECONDS, call.due - time.perf_counter())
             )
             out = _run(None if host else call.result(), rows, periods, self.devices, len(chunk))
             self.queued_bytes -= nbytes
@@ -597,14 +598,18 @@ def _run(advance, rows: RowStack, periods, devices, num_items: int) -> dict:
             )
             state = advance(state, *jax.device_put((_structure(chunk), costs), shardings))
     state = jax.tree_util.tree_map(np.asarray, state)
-    return _end_rows(state, first, rows.hardware, periods, xp=np)
+    return _end_rows(state, first, rows.hardware, periods)
 
 
-def _host_seconds(chunk) -> float:
-    """Estimated seconds to run a call's rows on the host (:func:`run_ops_host`)."""
-    steps = max(item[1].capacity.num_ops for item in chunk)
-    op_rows = sum(item[1].capacity.num_ops for item in chunk)
+def _host_seconds(steps: float, op_rows: float) -> float:
+    """Estimated seconds of :func:`run_ops_host` for ``steps`` op steps over ``op_rows`` ops of rows."""
     return steps * _HOST_SECONDS_PER_STEP + op_rows * _HOST_SECONDS_PER_OP_ROW
+
+
+def _steps_and_op_rows(chunk) -> tuple[int, int]:
+    """A call's op steps (its longest row's ops) and ops over all its rows."""
+    ops = [item[1].capacity.num_ops for item in chunk]
+    return max(ops), sum(ops)
 
 
 def _config_sharding(devices: tuple, configs_last: bool = False):
@@ -745,7 +750,7 @@ def simulate_on_host(program, hardware, periods=None) -> tuple[dict, tuple]:
     weight = None if periods is None else periods["op_weight"]
     costs = op_costs(program, rates, weight, split_compute=True, xp=np)
     state, (start, finish) = run_ops_host(state, program, costs, record_ops=True)
-    return _end_rows(state, program, hardware, periods, xp=np), (start.T, finish.T)
+    return _end_rows(state, program, hardware, periods), (start.T, finish.T)
 
 
 def _begin_rows(program, hardware, xp=jnp):
@@ -778,25 +783,27 @@ def _structure(program):
     )
 
 
-def _end_rows(state, program, hardware, periods=None, xp=jnp) -> dict:
+def _end_rows(state, program, hardware, periods=None) -> dict:
     """Step time, status and the compute / communication / bubble breakdown on
-    the busiest device, ``[B]`` each.
+    the busiest device, ``[B]`` each, computed on the host (NumPy).
 
     With ``periods`` (:func:`~search._programs.stack_periods`), a short steady
     program's row reports its long program (see
     :mod:`~distir_jax.transforms.coarse_steady`): the step time grows by ``r``
     times the period's clock shift, its ops count ``1 + r`` times in the
-    breakdown (the ``op_weight`` of :func:`_advance_rows`), and ``certified``
-    says whether the shift was the same on every resource (rows where it was
-    not need their long program). ``xp=numpy``: on the host.
+    breakdown (``op_weight``, folded into the ops' costs by
+    :func:`~distir_jax.kernel.op_costs`), and ``certified`` says whether the
+    shift was the same on every resource (rows where it was not need their
+    long program).
     """
+    xp = np
     sim = conclude(state, program.peak_bytes, hardware, xp=xp)
     num_rows, num_devices = hardware.peak_flops.shape
     step_time, busy = sim.step_time, sim.busy_time  # [B], [B, R]
     certified = xp.ones(num_rows, bool)
     if periods is not None:
         extra = periods["extra_periods"].astype(step_time.dtype)
-        step_time, certified = _extrapolate(sim, periods, extra, xp)
+        step_time, certified = _extrapolate(sim, periods, extra)
     # A resource's busy time, compute part and rest, summed over each device's streams.
     on_device = program.resource_device[..., None] == xp.arange(num_devices).reshape(1, 1, -1)  # [B, R, D]
     busy_dev = xp.einsum("br,brd->bd", busy, on_device.astype(busy.dtype))
@@ -815,10 +822,10 @@ def _end_rows(state, program, hardware, periods=None, xp=jnp) -> dict:
     }
 
 
-def _extrapolate(sim, periods, extra, xp=jnp):
+def _extrapolate(sim, periods, extra):
     """The long programs' step times, and whether each row's period is certified,
     within what the kernel's float type can tell apart."""
     # float32 clocks carry rounding of a few ulps, which the bound r * spread multiplies.
     rtol = max(1e-9, 100 * float(jnp.finfo(sim.step_time.dtype).eps))
     before, after = periods["period_before"], periods["period_after"]
-    return extrapolate(sim.finish_slots, before, after, extra, sim.step_time, rtol, xp=xp)
+    return extrapolate(sim.finish_slots, before, after, extra, sim.step_time, rtol, xp=np)

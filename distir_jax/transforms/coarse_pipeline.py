@@ -326,12 +326,12 @@ def _template_nbytes(template: PipelineTemplate) -> int:
     return 2 * sum(x.nbytes for x in fields if isinstance(x, np.ndarray))
 
 
-_cached_core = _BoundedCache(_new_core, lambda core: _nbytes(core), 256 << 20).get
-_cached_built = _BoundedCache(_new_template, _template_nbytes, 256 << 20).get
-
-
 def _nbytes(core: dict) -> int:
     return sum(x.nbytes for x in core.values() if isinstance(x, np.ndarray))
+
+
+_cached_core = _BoundedCache(_new_core, _nbytes, 256 << 20).get
+_cached_built = _BoundedCache(_new_template, _template_nbytes, 256 << 20).get
 
 
 def _core(p, k, v, schedule, step_costs) -> dict:
