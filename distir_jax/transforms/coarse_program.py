@@ -354,7 +354,7 @@ def chunk_tables(
     if segments:
         if not mode.startswith("overlap"):
             raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
-        tables = _with_segments(tables, features, coef, k, data, zero)
+        tables = _with_segments(tables, features, tuple(int(x) for x in layers), k, data, zero)
     return tables
 
 
@@ -408,37 +408,102 @@ def segment_plan(features: LayerFeatures, layers_per_chunk: Sequence[int], zero:
     for exact overlap: per chunk, whether each segment of its last backward ends
     with a weight gradient; and with ZeRO, per chunk, for each weight in
     optimizer order, the segment whose reduction its update waits for (else None)."""
-    coef = part_coefficients(features, layers_per_chunk)
-    chunks = _chunk_segments(features, coef)
+    return _segment_plan(features, tuple(int(x) for x in layers_per_chunk), bool(zero))
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_plan(features: LayerFeatures, layers: tuple, zero: bool) -> tuple:
+    chunks, updates = _chunk_plan(features, layers, zero)
     flags = tuple(
         tuple(features.segments[q].grads[j] is not None for q, j, _, _ in chunk) for chunk in chunks
     )
     if not zero:
         return flags, None
-    return flags, tuple(tuple(pos for _, _, pos in c) for c in _chunk_updates(features, coef, chunks))
+    return flags, tuple(tuple(pos for _, _, pos in c) for c in updates)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_plan(features: LayerFeatures, layers: tuple, zero: bool) -> tuple:
+    """:func:`_chunk_segments` and (with ZeRO, else ``[]``) :func:`_chunk_updates` of
+    ``layers`` blocks per chunk: pure functions of the features and the cut, shared by
+    every key that cuts the model alike (cached; read only)."""
+    coef = part_coefficients(features, layers)
+    chunks = _chunk_segments(features, coef)
+    return chunks, (_chunk_updates(features, coef, chunks) if zero else [])
 
 
 def _with_segments(
-    tables: ChunkTables, features: LayerFeatures, coef, k: int, data: int, zero: bool
+    tables: ChunkTables, features: LayerFeatures, layers: tuple, k: int, data: int, zero: bool
 ) -> ChunkTables:
     """``tables`` plus segment rows, one reduction row per segment (zero for tails), and with
     ZeRO an update row then an all-gather row per weight (see :func:`segment_plan`)."""
     later = int(k > 1)  # the last microbatch adds to running sums unless it is the only one
-    chunks = _chunk_segments(features, coef)
-    updates = _chunk_updates(features, coef, chunks) if zero else []
-    total = sum(len(c) for c in chunks)
-    weights = sum(len(c) for c in updates)
+    seg_at, upd_at = _segment_rows(features, layers, zero)
+    total, weights = len(seg_at), len(upd_at)
     s = tables.cost.shape[0]
     cost = np.zeros((s, 2 * total + 2 * weights, _F))
     alloc = np.zeros((s, 2 * total + 2 * weights, 2))
     free = np.zeros_like(alloc)
-    # Chunks repeat the same block segments: fill each distinct one once, then gather.
-    seg_rows = [(q, j, int(freed)) for chunk in chunks for q, j, freed, _ in chunk]
-    distinct = {key: i for i, key in enumerate(dict.fromkeys(seg_rows))}
-    u = len(distinct)
+    # Chunks repeat the same block segments: every distinct one is filled once
+    # (cached per features and degree), then gathered.
+    u_cost, u_alloc, u_free, r_cost, r_alloc, r_free = _segment_values(features, later, int(data), zero)
+    cost[:, :total], alloc[:, :total, 0], free[:, :total, 0] = (
+        u_cost[:, seg_at],
+        u_alloc[:, seg_at],
+        u_free[:, seg_at],
+    )
+    cost[:, total : 2 * total] = r_cost[seg_at]
+    alloc[:, total : 2 * total, 0], free[:, total : 2 * total, 0] = r_alloc[seg_at], r_free[seg_at]
+    if weights:  # ZeRO: each replica updates its shard in place, then all-gathers the weight
+        w_cost, w_free, g_cost, g_alloc = _update_values(features, int(data))
+        row = 2 * total
+        cost[:, row : row + weights], free[:, row : row + weights, 0] = w_cost[:, upd_at], w_free[upd_at]
+        cost[:, row + weights :], alloc[:, row + weights :, 0] = g_cost[upd_at], g_alloc[upd_at]
+    return ChunkTables(
+        np.concatenate([tables.cost, cost], axis=1),
+        np.concatenate([tables.alloc, alloc], axis=1),
+        np.concatenate([tables.free, free], axis=1),
+        tables.resident,
+    )
+
+
+def _segment_keys(features: LayerFeatures) -> dict:
+    """Every ``(part, segment, input freed here)`` of the features, numbered."""
+    segments = enumerate(features.segments)
+    keys = [(q, j, freed) for q, seg in segments for j in range(seg.num_segments) for freed in (0, 1)]
+    return {key: i for i, key in enumerate(keys)}
+
+
+def _update_keys(features: LayerFeatures) -> dict:
+    """Every ``(part, weight)`` of the features, numbered."""
+    keys = [(q, w) for q, seg in enumerate(features.segments) for w in range(len(seg.updates))]
+    return {key: i for i, key in enumerate(keys)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_rows(features: LayerFeatures, layers: tuple, zero: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Which of :func:`_segment_keys` each segment row is, and (with ZeRO) which of
+    :func:`_update_keys` each weight row is, for ``layers`` blocks per chunk (cached; read only)."""
+    chunks, updates = _chunk_plan(features, layers, zero)
+    seg_index, upd_index = _segment_keys(features), _update_keys(features)
+    seg_at = np.asarray(
+        [seg_index[(q, j, int(freed))] for chunk in chunks for q, j, freed, _ in chunk], np.int64
+    )
+    upd_at = np.asarray([upd_index[(q, w)] for chunk in updates for q, w, _ in chunk], np.int64)
+    seg_at.setflags(write=False)
+    upd_at.setflags(write=False)
+    return seg_at, upd_at
+
+
+@functools.lru_cache(maxsize=1024)
+def _segment_values(features: LayerFeatures, later: int, data: int, zero: bool) -> tuple:
+    """Per :func:`_segment_keys` entry: its segment's cost ``[S, u, F]``, alloc and free
+    ``[S, u]``, and its reduction's cost ``[u, F]``, alloc and free ``[u]`` (cached; read only)."""
+    keys = _segment_keys(features)
+    s, u = features.num_variants, len(keys)
     u_cost, u_alloc, u_free = np.zeros((s, u, _F)), np.zeros((s, u)), np.zeros((s, u))
     r_cost, r_alloc, r_free = np.zeros((u, _F)), np.zeros(u), np.zeros(u)
-    for (q, j, freed), i in distinct.items():
+    for (q, j, freed), i in keys.items():
         seg = features.segments[q]
         u_cost[:, i] = seg.cost[j] + later * seg.accumulate[j][None, :]
         u_alloc[:, i] = seg.rise[later, freed, j]
@@ -449,36 +514,34 @@ def _with_segments(
             r_cost[i] = _collective("ReduceScatter" if zero else "AllReduce", grad, data)
             r_alloc[i] = nbytes / data if zero else nbytes
             r_free[i] = nbytes
-    at = np.fromiter((distinct[r] for r in seg_rows), np.int64, total)
-    cost[:, :total], alloc[:, :total, 0], free[:, :total, 0] = u_cost[:, at], u_alloc[:, at], u_free[:, at]
-    cost[:, total : 2 * total] = r_cost[at]
-    alloc[:, total : 2 * total, 0], free[:, total : 2 * total, 0] = r_alloc[at], r_free[at]
-    if weights:  # ZeRO: each replica updates its shard in place, then all-gathers the weight
-        scaled = np.zeros(_F, bool)
-        scaled[_SCALED] = True
-        upd_rows = [(q, w) for chunk in updates for q, w, _ in chunk]
-        distinct = {key: i for i, key in enumerate(dict.fromkeys(upd_rows))}
-        u = len(distinct)
-        u_cost, u_free = np.zeros((s, u, _F)), np.zeros(u)
-        g_cost, g_alloc = np.zeros((u, _F)), np.zeros(u)
-        for (q, w), i in distinct.items():
-            j, weight_bytes, update = features.segments[q].updates[w]
-            grad = features.segments[q].grads[j]
-            u_cost[:, i] = np.where(scaled, update / data, update)
-            u_free[i] = float(np.max(grad.num_bytes)) / data  # the gradient shard
-            shard = grad.with_shape((grad.shape[0] // data, *grad.shape[1:]))
-            g_cost[i] = _collective("AllGather", shard, data)
-            g_alloc[i] = weight_bytes  # the gathered weight, next to the old one
-        at = np.fromiter((distinct[r] for r in upd_rows), np.int64, weights)
-        row = 2 * total
-        cost[:, row : row + weights], free[:, row : row + weights, 0] = u_cost[:, at], u_free[at]
-        cost[:, row + weights :], alloc[:, row + weights :, 0] = g_cost[at], g_alloc[at]
-    return ChunkTables(
-        np.concatenate([tables.cost, cost], axis=1),
-        np.concatenate([tables.alloc, alloc], axis=1),
-        np.concatenate([tables.free, free], axis=1),
-        tables.resident,
-    )
+    out = (u_cost, u_alloc, u_free, r_cost, r_alloc, r_free)
+    for x in out:
+        x.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _update_values(features: LayerFeatures, data: int) -> tuple:
+    """Per :func:`_update_keys` entry (ZeRO): its update's cost ``[S, u, F]`` and free
+    ``[u]``, its all-gather's cost ``[u, F]`` and alloc ``[u]`` (cached; read only)."""
+    keys = _update_keys(features)
+    s, u = features.num_variants, len(keys)
+    scaled = np.zeros(_F, bool)
+    scaled[_SCALED] = True
+    w_cost, w_free = np.zeros((s, u, _F)), np.zeros(u)
+    g_cost, g_alloc = np.zeros((u, _F)), np.zeros(u)
+    for (q, w), i in keys.items():
+        j, weight_bytes, update = features.segments[q].updates[w]
+        grad = features.segments[q].grads[j]
+        w_cost[:, i] = np.where(scaled, update / data, update)
+        w_free[i] = float(np.max(grad.num_bytes)) / data  # the gradient shard
+        shard = grad.with_shape((grad.shape[0] // data, *grad.shape[1:]))
+        g_cost[i] = _collective("AllGather", shard, data)
+        g_alloc[i] = weight_bytes  # the gathered weight, next to the old one
+    out = (w_cost, w_free, g_cost, g_alloc)
+    for x in out:
+        x.setflags(write=False)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
