@@ -516,7 +516,9 @@ def _finish_slots(deps):
     """Finish-time slots: one per op whose finish another op reads (a few per
     stage, or one per weight with per-weight updates; no reuse is needed)."""
     num_ops = deps.shape[0]
-    producer = np.unique(deps[deps >= 0])
+    read = np.zeros(num_ops, bool)  # op indices: a mask gives them sorted and distinct (np.unique sorts)
+    read[deps[deps >= 0]] = True
+    producer = np.flatnonzero(read)
     out_slot = np.full(num_ops, NO_SLOT, np.int32)
     out_slot[producer] = np.arange(len(producer))
     dep_slot = np.where(deps >= 0, out_slot[np.maximum(deps, 0)], NO_SLOT).astype(np.int32)
