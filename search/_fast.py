@@ -32,10 +32,17 @@ steady period stands for the rest
 and kernel time then stop growing with the microbatch count. Its kernel call
 extrapolates and certifies it (see :mod:`search.evaluate`).
 
-Rows the fast engine does not model (other models, sequence parallelism, MLP
-tensor parallelism with a pipeline stage that would split a column / row
-layer pair) fall back to the exact engine; the ``engine`` column says which
-one ran.
+Under tensor parallelism an MLP's blocks are (column, row) layer pairs. Where
+the pipeline transform's stages split a pair, the key is prepared from
+features measured per layer instead (``layer_features(..., per_layer=True)``,
+see :mod:`distir_jax.transforms.coarse_layers`): chunks are layer ranges, and
+a message after a column layer is its Relu output's feature shard. Such keys
+with interleaved stages run their long programs (no steady short one).
+
+Rows the fast engine does not model (other models, sequence parallelism, an
+MLP of one layer pair or of an odd number of layers under tensor
+parallelism, an MLP of one layer) fall back to the exact engine; the
+``engine`` column says which one ran.
 """
 
 from __future__ import annotations
@@ -66,13 +73,14 @@ def fast_unsupported(config: Config) -> str:
         return f"the fast engine models GPT and MLP training steps, not {type(model).__name__}"
     if config.sequence_parallel:
         return "the fast engine does not model sequence parallelism"
-    # Under tensor parallelism an MLP's blocks are (column, row) layer pairs,
-    # which the fast engine keeps in one pipeline chunk.
-    chunks = config.pipeline * config.virtual_stages
+    # Under tensor parallelism an MLP's blocks are (column, row) layer pairs;
+    # a pipeline cut that splits one is modelled per layer (see _prepare).
     if isinstance(model, MLPConfig):
         per_block = 1 if config.tensor == 1 else 2
-        if model.num_layers % per_block or model.num_layers // per_block < max(chunks, 2):
-            return "a pipeline chunk would split a (column, row) pair of MLP layers"
+        if model.num_layers % per_block:
+            return "tensor parallelism pairs an MLP's layers, and this MLP has an odd number"
+        if model.num_layers // per_block < 2:
+            return "the fast engine models MLPs of at least two blocks (layer pairs under tensor parallelism)"
     return ""
 
 
@@ -110,8 +118,7 @@ class FastEngine:
         Returns:
           ``(config, prepared, variant, reason)`` per row, like the exact
           engine's preparation; or None when a coarse program cannot express
-          the key (the transform's stages would split an MLP layer pair): then
-          the caller runs the exact engine.
+          the key: then the caller runs the exact engine.
         """
         prepared: dict[str, tuple[Prepared, tuple] | str] = {}
         for c in group:
@@ -141,22 +148,27 @@ class FastEngine:
             sorted({c.microbatch_size for c in group} | {c.microbatch_size * c.data for c in group})
         )
         model, tensor, recompute, optimizer, hardware, dtype = key
-        features = layer_features(
-            model, tensor, recompute, sizes, _measure_topology(hardware, dtype, tensor), optimizer=optimizer
-        )
-        if config.zero and config.data > 1:  # the exact engine's ZeRO shards each weight's axis 0
-            for part in features.weights:  # embedding, blocks, head: the model's optimizer order
-                for name, weight_type in part:
-                    problem = zero_shard_problem(name, weight_type, config.data)
-                    if problem:
-                        raise ValueError(problem)
+        topology = _measure_topology(hardware, dtype, tensor)
+        features = layer_features(model, tensor, recompute, sizes, topology, optimizer=optimizer)
         # The exact engine builds this key with its own batch sizes as variants, and
         # the pipeline transform, which runs before data parallelism, cuts stages
         # and orders steps by the mean flops of its microbatches (d replicas'
         # worth each): so here too.
         variants = sorted({sizes.index(c.microbatch_size * c.data) for c in group})
         chunks = config.pipeline * config.virtual_stages
-        layers = transform_layers_per_chunk(features, chunks, variants)  # raises if a stage splits a block
+        try:
+            layers = transform_layers_per_chunk(features, chunks, variants)
+        except SplitBlockError:  # the stages split an MLP's (column, row) pairs: per layer then
+            features = layer_features(
+                model, tensor, recompute, sizes, topology, optimizer=optimizer, per_layer=True
+            )
+            layers = transform_layers_per_chunk(features, chunks, variants)
+        if config.zero and config.data > 1:  # the exact engine's ZeRO shards each weight's axis 0
+            for part in features.weights:  # embedding, blocks, head: the model's optimizer order
+                for name, weight_type in part:
+                    problem = zero_shard_problem(name, weight_type, config.data)
+                    if problem:
+                        raise ValueError(problem)
         topology = config.topology()
         # The program carries only this key's own microbatch sizes as variants.
         used = sorted({sizes.index(c.microbatch_size) for c in group})
@@ -174,7 +186,9 @@ class FastEngine:
             layers_per_chunk=layers,
             step_costs=transform_step_costs(features, layers, variants),
             overlap_segments=True,
-            steady=steady,
+            # Per-layer messages differ by chunk, which a steady period of
+            # interleaved stages does not tell apart.
+            steady=steady and not (features.per_layer and pc.virtual_stages > 1),
             # A retry: only the longer short programs (possibly none: then the long one).
             short_microbatches=short_candidates(pc.schedule, pc.pipeline)[settle:] if settle else None,
         )

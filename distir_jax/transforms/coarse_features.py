@@ -49,7 +49,7 @@ from distir_jax.models.transformer import transformer_training_step
 from distir_jax.transforms.coarse_fuse import fuse_groups
 from distir_jax.transforms.coarse_segments import backward_ops, linear_features
 
-__all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features"]
+__all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features", "layer_parts"]
 
 PARTS = ("embed", "block", "head")
 DIRECTIONS = ("F", "B")
@@ -103,6 +103,15 @@ class LayerFeatures:
       output_used_by_own_backward: a block's backward reads the block's output
         (an MLP layer's Relu gradient reads the Relu output), so a pipeline
         chunk keeps the output it sent until its backward.
+      per_layer: parts are single layers rather than blocks (an MLP under
+        tensor parallelism whose pipeline cut splits a column / row pair):
+        ``P = 6`` parts, the measured three pairs' layers in order (first
+        column, first row, middle column, middle row, last column, last row
+        with the loss); :func:`layer_parts` maps a model's layers onto them.
+        Arrays with a leading ``3`` above then have ``6``.
+      output_bytes: ``[P, S]`` with ``per_layer``: bytes a part's output
+        crosses a pipeline boundary with (a column layer's Relu output is a
+        ``1 / t`` feature shard), else None.
     """
 
     model: TransformerConfig | MLPConfig
@@ -129,6 +138,8 @@ class LayerFeatures:
     layers_per_block: int = 1
     ends_are_blocks: bool = False
     output_used_by_own_backward: bool = False
+    per_layer: bool = False
+    output_bytes: np.ndarray | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -179,13 +190,14 @@ class LayerFeatures:
             backward_net=self.backward_net[..., v],
             segments=tuple(seg.take_variants(v) for seg in self.segments),
             op_flops=None if self.op_flops is None else self.op_flops[v],
+            output_bytes=None if self.output_bytes is None else self.output_bytes[:, v],
         )
 
     def data_parallel(self, degree: int, zero: bool) -> tuple[np.ndarray, np.ndarray]:
         """Gradient communication of each part over ``degree`` replicas (ring collectives).
 
         Returns:
-          ``(reduce, gather)``, each ``[3, F]``: an ``AllReduce`` per gradient
+          ``(reduce, gather)``, each ``[3, F]`` (``[P, F]``): an ``AllReduce`` per gradient
           (``zero=False``; ``gather`` is zero), or a ``ReduceScatter`` of each
           gradient and an ``AllGather`` of each updated weight shard.
         """
@@ -214,6 +226,7 @@ def layer_features(
     topology: Topology,
     *,
     optimizer: str = "adam",
+    per_layer: bool = False,
 ) -> LayerFeatures:
     """Features of ``model``'s parts under tensor degree ``tensor`` and a recompute policy.
 
@@ -231,6 +244,9 @@ def layer_features(
         are compute-bound, and its links are not used (coarse programs cost
         each collective on its own group's link).
       optimizer: ``"adam"`` or ``"sgd"``.
+      per_layer: an MLP under tensor parallelism measured per layer rather
+        than per (column, row) pair (see ``LayerFeatures.per_layer``), for
+        pipeline cuts that split a pair.
 
     Returns:
       A :class:`LayerFeatures`.
@@ -238,11 +254,27 @@ def layer_features(
     sizes = tuple(int(b) for b in np.atleast_1d(np.asarray(microbatch_sizes)))
     if not sizes or min(sizes) < 1:
         raise ValueError(f"microbatch_sizes must be ints >= 1, got {microbatch_sizes!r}")
-    return _layer_features(model, int(tensor), recompute, sizes, topology, optimizer)
+    per_layer = bool(per_layer)
+    if per_layer and not (isinstance(model, MLPConfig) and tensor > 1):
+        raise ValueError(
+            f"per_layer applies to MLPs under tensor parallelism, got {model!r}, tensor={tensor}"
+        )
+    return _layer_features(model, int(tensor), recompute, sizes, topology, optimizer, per_layer)
+
+
+def layer_parts(num_layers: int) -> tuple[int, ...]:
+    """The ``per_layer`` part of each layer of an MLP of ``num_layers`` (even) layers
+    under tensor parallelism: the first pair's, the last pair's, middle column / row."""
+    parts = [2 + i % 2 for i in range(num_layers)]
+    parts[-2:] = [4, 5]
+    parts[0] = 0
+    if num_layers > 2:
+        parts[1] = 1
+    return tuple(parts)
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerFeatures:
+def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer=False) -> LayerFeatures:
     from distir_jax.transforms.recompute import recompute as recompute_transform
     from distir_jax.transforms.tensor_parallel import tensor_parallel
 
@@ -259,6 +291,8 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         fn = mlp_training_step(three, batch, optimizer=optimizer)
 
         def part_of(layer):  # blocks: the first (embedding part), a middle one, the last with the loss
+            if per_layer:  # layers 1..6, the loss with the last
+                return min(layer - 1, 3 * per_block - 1)
             return min((layer - 1) // per_block, 2)
 
         per_sample = model.hidden * DTYPE_BYTES[model.dtype]
@@ -272,6 +306,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
 
         message = model.seq_len * model.hidden * DTYPE_BYTES[model.dtype]
         data = model.seq_len * DTYPE_BYTES["i32"]  # token ids (labels are as large)
+    num_parts = 6 if per_layer else 3
     if tensor > 1:
         fn = tensor_parallel(fn, tensor, representative_only=True).function
     fn = recompute_transform(fn, policy).function
@@ -296,11 +331,11 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
     alloc = per_variant(np.asarray(coarse.alloc_bytes)[..., 0])
     freed = per_variant(np.asarray(coarse.free_bytes)[..., 0])
     raw_flops = per_variant(fine.flops)
-    step = np.zeros((3, 2, s, len(COST_FEATURES)))
-    step_flops = np.zeros((3, 2, s))
-    rise = np.zeros((3, 2, s))
-    net = np.zeros((3, 2, s))
-    for part in range(3):
+    step = np.zeros((num_parts, 2, s, len(COST_FEATURES)))
+    step_flops = np.zeros((num_parts, 2, s))
+    rise = np.zeros((num_parts, 2, s))
+    net = np.zeros((num_parts, 2, s))
+    for part in range(num_parts):
         for d, direction in enumerate(DIRECTIONS):
             g = index.get((part, direction))
             if g is None:
@@ -310,30 +345,30 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
             net[part, d] = alloc[:, g] - freed[:, g]
             mask = np.asarray([lab == (part, direction) for lab in labels])
             step_flops[part, d] = raw_flops[:, mask].sum(axis=1)
-    bops = backward_ops(fn, fine, labels, s)
+    bops = backward_ops(fn, fine, labels, s, num_parts)
     replays = [
         [[bops.replay(q, later, freed, cuts=False) for freed in (False, True)] for later in (0, 1)]
-        for q in range(3)
+        for q in range(num_parts)
     ]
-    backward_rise = np.asarray([[[r for r, _ in v] for v in part] for part in replays])  # [3, 2, 2, S]
+    backward_rise = np.asarray([[[r for r, _ in v] for v in part] for part in replays])  # [P, 2, 2, S]
     backward_net = np.asarray([[[n for _, n in v] for v in part] for part in replays])
     linear = linear_features(fine, topology, s)
-    updates: list[list] = [[], [], []]
-    weights: list[list] = [[], [], []]
+    updates: list[list] = [[] for _ in range(num_parts)]
+    weights: list[list] = [[] for _ in range(num_parts)]
     for i, (op, (kind, part)) in enumerate(zip(fn.ops, labels, strict=True)):
         if kind == "opt" and op.op_type in ("SGD", "Adam"):
             updates[part].append((op.inputs[1].name, float(op.inputs[0].type.num_bytes), linear[0, i]))
             weights[part].append((op.inputs[0].name, op.inputs[0].type))
-    segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(3))
+    segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(num_parts))
     # Per-op flops and layers, for the pipeline transform's per-layer costs.
     costed = [i for i, op in enumerate(fn.ops) if op.attr("phase") != "opt"]
     op_flops = per_variant(fine.flops)[:, costed]
     op_flops.setflags(write=False)
     op_layers = tuple(fn.ops[i].attr("layer") for i in costed)
-    optimizer_features = np.zeros((3, len(COST_FEATURES)))
-    params = np.zeros(3)
-    state = np.zeros(3)
-    grads: list[list] = [[], [], []]
+    optimizer_features = np.zeros((num_parts, len(COST_FEATURES)))
+    params = np.zeros(num_parts)
+    state = np.zeros(num_parts)
+    grads: list[list] = [[] for _ in range(num_parts)]
     for op in fn.ops:
         if op.attr("phase") != "opt":
             continue
@@ -341,11 +376,15 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         params[part] += float(op.inputs[0].type.num_bytes)
         state[part] += sum(float(v.type.num_bytes) for v in op.inputs[2:])
         grads[part].append(op.inputs[1].type)
-    for part in range(3):
+    for part in range(num_parts):
         if ("opt", part) in index:  # parts without weights (an MLP's loss) have no update
             optimizer_features[part] = feats[0, index[("opt", part)]]
     accumulate = np.stack([seg.accumulate.sum(axis=0) for seg in segments])  # an Add per weight gradient
     b = np.asarray(sizes, np.float64)
+    output_bytes = None
+    if per_layer:  # a column layer's Relu output is a feature shard (a row layer follows)
+        shard = np.asarray([1.0 / tensor if q % 2 == 0 else 1.0 for q in range(num_parts)])
+        output_bytes = shard[:, None] * (b * message)[None, :]
     return LayerFeatures(
         model=model,
         tensor=tensor,
@@ -368,16 +407,19 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer) -> LayerF
         segments=segments,
         op_layers=op_layers,
         op_flops=op_flops,
-        layers_per_block=per_block,
+        layers_per_block=1 if per_layer else per_block,
         ends_are_blocks=isinstance(model, MLPConfig),
         output_used_by_own_backward=isinstance(model, MLPConfig),
+        per_layer=per_layer,
+        output_bytes=output_bytes,
     )
 
 
 @functools.lru_cache(maxsize=1024)
 def _data_parallel_cached(features: LayerFeatures, degree: int, zero: bool):
-    reduce = np.zeros((3, len(COST_FEATURES)))
-    gather = np.zeros((3, len(COST_FEATURES)))
+    num_parts = len(features.grad_types)
+    reduce = np.zeros((num_parts, len(COST_FEATURES)))
+    gather = np.zeros((num_parts, len(COST_FEATURES)))
     if degree == 1:
         return reduce, gather
     group = {"group": tuple(range(degree)), "axis": 0}

@@ -30,8 +30,22 @@ import numpy as np
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.topology import Topology
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, Program
-from distir_jax.transforms.coarse_features import LayerFeatures
-from distir_jax.transforms.coarse_pipeline import PipelineTemplate, data_mode, pipeline_template
+from distir_jax.transforms.coarse_features import LayerFeatures, layer_parts
+from distir_jax.transforms.coarse_layers import (
+    boundary_bytes,
+    layer_chunk_segments,
+    layer_chunk_updates,
+    layer_pass_memory,
+    layer_stage_grads,
+    part_counts,
+)
+from distir_jax.transforms.coarse_pipeline import (
+    SEND_ACTIVATION,
+    SEND_GRADIENT,
+    PipelineTemplate,
+    data_mode,
+    pipeline_template,
+)
 from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_template, worth_it
 
 __all__ = [
@@ -68,12 +82,18 @@ class ChunkTables:
         of ``c``, first backward of ``c``, later backwards of ``c``, an
         activation message, update of ``s``, nothing, a gradient message.
       resident: ``[S, p]`` bytes resident on each stage's device.
+      message_rows: None (every message uses the rows above), or ``(cost row,
+        memory row)`` where per-boundary message rows start (features
+        ``per_layer``: a message after a column layer is a feature shard):
+        cost rows ``b`` and memory rows ``b`` (activation) and ``n + b``
+        (gradient) for the boundary after chunk ``b``; they follow all others.
     """
 
     cost: np.ndarray
     alloc: np.ndarray
     free: np.ndarray
     resident: np.ndarray
+    message_rows: tuple[int, int] | None = None
 
 
 def balanced_layers(features: LayerFeatures, num_chunks: int) -> np.ndarray:
@@ -114,25 +134,32 @@ def transform_layers_per_chunk(
     ``features``, default all); this runs it on the same costs, from the
     measured blocks repeated.
 
+    With ``features.per_layer`` the cut is in layers (of any part).
+
     Raises:
       SplitBlockError: a chunk boundary would fall inside a block (an MLP's
-        column / row layer pair under tensor parallelism), which a coarse
-        program cannot express.
+        column / row layer pair under tensor parallelism), which features
+        measured per pair cannot express (features measured per layer can).
     """
     costs = features.layer_costs(None if variants is None else tuple(int(v) for v in variants))
     u, blocks = features.layers_per_block, features.num_blocks
-    return _transform_cut(costs, u, blocks, int(num_chunks), features.ends_are_blocks)
+    parts = layer_parts(blocks) if features.per_layer else None
+    return _transform_cut(costs, u, blocks, int(num_chunks), features.ends_are_blocks, parts)
 
 
 @functools.lru_cache(maxsize=4096)
 def _transform_cut(
-    measured: tuple, u: int, blocks: int, num_chunks: int, ends_are_blocks: bool
+    measured: tuple, u: int, blocks: int, num_chunks: int, ends_are_blocks: bool, parts: tuple | None = None
 ) -> np.ndarray:
     from distir_jax.transforms.pipeline import balanced_boundaries
 
-    if not 1 <= num_chunks <= blocks:
+    if not 1 <= num_chunks <= blocks * u:
         raise ValueError(f"cannot cut {blocks} blocks into {num_chunks} chunks of at least one block")
-    if ends_are_blocks:  # measured: layer 0 (none), first, middle and last blocks, the loss
+    if num_chunks > blocks:
+        raise SplitBlockError(f"{num_chunks} stages split some of the {blocks} blocks of {u} layers")
+    if parts is not None:  # measured: layer 0 (none), the six measured layers, the loss
+        units = [measured[1 + q] for q in parts]
+    elif ends_are_blocks:  # measured: layer 0 (none), first, middle and last blocks, the loss
         first, middle, last = (list(measured[1 + i * u : 1 + (i + 1) * u]) for i in range(3))
         units = first + middle * (blocks - 2) + last if blocks > 1 else first
     else:  # measured: layer 0 (embedding), one block, the head
@@ -153,8 +180,12 @@ def part_coefficients(features: LayerFeatures, layers_per_chunk: Sequence[int]) 
     """``[n, 3]``: how many of each part (embedding, block, head) chunk ``c`` holds.
 
     With ``features.ends_are_blocks`` (MLPs) the first chunk's first block is
-    the embedding part and the last chunk's last block the head part.
+    the embedding part and the last chunk's last block the head part. With
+    ``features.per_layer``, ``[n, P]``: layers of each part (see
+    :func:`~distir_jax.transforms.coarse_layers.part_counts`).
     """
+    if features.per_layer:
+        return part_counts(features, tuple(int(x) for x in layers_per_chunk))
     layers = np.asarray(layers_per_chunk, np.float64)
     n = len(layers)
     first, last = np.arange(n) == 0, np.arange(n) == n - 1
@@ -221,8 +252,8 @@ def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _Pipeline
     layers = np.asarray(layers, np.int64)
     n = len(layers)
     first, last = np.arange(n) == 0, np.arange(n) == n - 1
-    coef = part_coefficients(features, layers)  # [n, 3] parts per chunk
-    stage_coef = np.zeros((p, 3))
+    coef = part_coefficients(features, layers)  # [n, 3] (per layer: [n, P]) parts per chunk
+    stage_coef = np.zeros((p, coef.shape[1]))
     np.add.at(stage_coef, np.arange(n) % p, coef)
     s = features.num_variants
     # Costs.
@@ -234,6 +265,11 @@ def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _Pipeline
     message[:, 0, _HOPS] = 1.0
     accumulate = coef @ features.accumulate  # [n, F]: later microbatches add to the running sums
     steps = np.concatenate([forward, backward, backward + accumulate[None], message], axis=1)
+    if features.per_layer:  # chunks of single layers, chained one by one
+        fwd, bwd = layer_pass_memory(features, tuple(int(x) for x in layers))
+        for x in (coef, stage_coef, steps, *fwd, *(y for b in bwd for y in b)):
+            x.setflags(write=False)
+        return _PipelineParts(coef, stage_coef, steps, fwd, bwd)
     # Memory of each chunk's passes, chained from its parts.
     rise_f, net_f = features.peak_rise[:, 0], features.net_bytes[:, 0]  # [3, S]
     rise_b, net_b = features.backward_rise, features.backward_net  # [3, later, input freed, S]
@@ -320,7 +356,7 @@ def chunk_tables(
         np.broadcast_to(stage_coef @ gather_parts, (s, p, _F)),
     ]
     cost = np.concatenate(rows, axis=1)
-    grads = features.param_bytes  # [3]
+    grads = features.param_bytes  # [3] (per layer: [P])
     stage_grads = stage_coef @ grads  # [p]
     alloc = np.zeros((s, 3 * n + p + 3, 2))
     free = np.zeros_like(alloc)
@@ -355,7 +391,48 @@ def chunk_tables(
         if not mode.startswith("overlap"):
             raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
         tables = _with_segments(tables, features, tuple(int(x) for x in layers), k, data, zero)
+    if features.per_layer:
+        tables = _with_boundary_messages(tables, features, tuple(int(x) for x in layers))
     return tables
+
+
+def _with_boundary_messages(tables: ChunkTables, features: LayerFeatures, layers: tuple) -> ChunkTables:
+    """``tables`` plus a cost row per boundary and a memory row per boundary and direction
+    (see ``ChunkTables.message_rows``): a message after a column layer is a feature shard.
+
+    As for whole pairs, an activation stays on its sender (an MLP layer's
+    backward reads its Relu output) and the receiver's first layer frees its
+    copy; a gradient goes from its sender."""
+    nbytes = boundary_bytes(features, layers)  # [n, S]
+    n, s = nbytes.shape
+    cost = np.zeros((s, n, _F))
+    cost[:, :, _VOLUME] = nbytes.T
+    cost[:, :, _HOPS] = 1.0
+    alloc = np.zeros((s, 2 * n, 2))
+    free = np.zeros_like(alloc)
+    alloc[:, :, 1] = np.concatenate([nbytes, nbytes]).T
+    free[:, n:, 0] = nbytes.T
+    rows = (tables.cost.shape[1], tables.alloc.shape[1])
+    return ChunkTables(
+        np.concatenate([tables.cost, cost], axis=1),
+        np.concatenate([tables.alloc, alloc], axis=1),
+        np.concatenate([tables.free, free], axis=1),
+        tables.resident,
+        rows,
+    )
+
+
+def _message_rows(template: PipelineTemplate, cost_at: int, memory_at: int) -> tuple[np.ndarray, np.ndarray]:
+    """The template's rows with each message on its boundary's rows (``ChunkTables.message_rows``)."""
+    cost_row, memory_row = template.rows
+    activation, gradient = template.kind == SEND_ACTIVATION, template.kind == SEND_GRADIENT
+    boundary = template.chunk - gradient  # a gradient crosses its sender's input boundary
+    n = template.num_chunks
+    cost_row = np.where(activation | gradient, cost_at + boundary, cost_row)
+    memory_row = np.where(
+        activation, memory_at + boundary, np.where(gradient, memory_at + n + boundary, memory_row)
+    )
+    return cost_row, memory_row
 
 
 def _chunk_segments(features: LayerFeatures, coef: np.ndarray):
@@ -427,6 +504,9 @@ def _chunk_plan(features: LayerFeatures, layers: tuple, zero: bool) -> tuple:
     """:func:`_chunk_segments` and (with ZeRO, else ``[]``) :func:`_chunk_updates` of
     ``layers`` blocks per chunk: pure functions of the features and the cut, shared by
     every key that cuts the model alike (cached; read only)."""
+    if features.per_layer:
+        chunks = layer_chunk_segments(features, layers)
+        return chunks, (layer_chunk_updates(features, layers, chunks) if zero else [])
     coef = part_coefficients(features, layers)
     chunks = _chunk_segments(features, coef)
     return chunks, (_chunk_updates(features, coef, chunks) if zero else [])
@@ -557,6 +637,17 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
     return out
 
 
+def _stage_grads(features: LayerFeatures, layers: tuple, stage: int, p: int) -> list[float]:
+    """A stage's gradient bytes in the order its backward passes make them (later chunks first)."""
+    coef = _pipeline_parts(features, layers, p).coef
+    n, order = coef.shape[0], features.grad_order
+    grads: list[float] = []
+    for c in range(n - 1 - (n - 1 - stage) % p, -1, -p):  # the stage's chunks, latest first
+        grads += list(order[_HEAD]) * int(coef[c, _HEAD]) + list(order[_BLOCK]) * int(coef[c, _BLOCK])
+        grads += list(order[_EMBED]) * int(coef[c, _EMBED])
+    return grads
+
+
 @functools.lru_cache(maxsize=4096)
 def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool) -> np.ndarray:
     """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
@@ -567,15 +658,9 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
     gradient: an all-reduce output as large as the gradient, a ZeRO
     reduce-scatter output ``1 / d`` of it (so the level falls as it goes).
     """
-    coef = _pipeline_parts(features, layers, p).coef
-    n = coef.shape[0]
-    order = features.grad_order
     extra = np.zeros(p)
     for stage in range(p):
-        grads: list[float] = []
-        for c in range(n - 1 - (n - 1 - stage) % p, -1, -p):  # the stage's chunks, latest first
-            grads += list(order[_HEAD]) * int(coef[c, _HEAD]) + list(order[_BLOCK]) * int(coef[c, _BLOCK])
-            grads += list(order[_EMBED]) * int(coef[c, _EMBED])
+        grads = (layer_stage_grads if features.per_layer else _stage_grads)(features, layers, stage, p)
         g = np.asarray(grads, np.float64)
         out = g / data if zero else g
         released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
@@ -631,6 +716,8 @@ def realize(
         raise ValueError(f"num_streams={streams}, but mode {template.mode!r} uses stream 1")
     device, tp_link, dp_link = stage_devices(topology, p, int(tensor), int(data))
     cost_row, memory_row = template.rows
+    if tables.message_rows is not None:
+        cost_row, memory_row = _message_rows(template, *tables.message_rows)
     stage = template.stage
     used = stage >= 0
     slot_device = np.where(used, device[np.maximum(stage, 0)], NO_DEVICE).astype(np.int32)

@@ -144,9 +144,9 @@ class BackwardOps:
         return PartSegments(np.stack(cost), accumulate, rise, net, tuple(grads), ordered)
 
 
-def backward_ops(fn, fine, labels, num_variants: int) -> BackwardOps:
-    """The backward ops of parts 0..2 of a measured block (``labels``: ``(part, "F" / "B")``
-    per op, ``("opt", part)`` for optimizer updates)."""
+def backward_ops(fn, fine, labels, num_variants: int, num_parts: int = 3) -> BackwardOps:
+    """The backward ops of parts ``0..num_parts - 1`` of a measured block (``labels``:
+    ``(part, "F" / "B")`` per op, ``("opt", part)`` for optimizer updates)."""
 
     def per_variant(x):
         x = np.asarray(x, np.float64)[..., 0]  # the op's first slot: device 0
@@ -156,7 +156,7 @@ def backward_ops(fn, fine, labels, num_variants: int) -> BackwardOps:
     type_of = {v.name: v.type for op in fn.ops for v in op.outputs}
     # What the optimizer updates with: the sums a pipeline accumulates.
     updated = {op.inputs[1].name for op, (kind, _) in zip(fn.ops, labels, strict=True) if kind == "opt"}
-    ops: list[list[int]] = [[], [], []]
+    ops: list[list[int]] = [[] for _ in range(num_parts)]
     last_read: dict[tuple[int, str], int] = {}  # (part, its input) -> op of the last read in its backward
     grads: dict[int, list] = {}
     for i, (op, (part, direction)) in enumerate(zip(fn.ops, labels, strict=True)):
