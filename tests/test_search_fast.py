@@ -11,7 +11,11 @@ from distir_jax.executor.reference import reference_simulate  # noqa: E402
 from distir_jax.models import MLPConfig, TransformerConfig, get_model_config  # noqa: E402
 from distir_jax.presets import get_preset  # noqa: E402
 from distir_jax.transforms import coarse_steady  # noqa: E402
-from distir_jax.transforms.coarse import layer_features  # noqa: E402
+from distir_jax.transforms.coarse import (  # noqa: E402
+    SplitBlockError,
+    layer_features,
+    transform_layers_per_chunk,
+)
 from search import StrategySpace, build_function, enumerate_configs, evaluate  # noqa: E402
 from search._fast import FastEngine, fast_unsupported  # noqa: E402
 
@@ -174,17 +178,130 @@ def test_rows_the_fast_engine_does_not_model_run_exact():
             assert engine == "fast", c
 
 
-def test_mlp_tensor_pairs_that_a_chunk_would_split_run_exact():
-    configs = [
-        c
-        for c in enumerate_configs(
-            StrategySpace(model="mlp-xs", world_sizes=(16,), global_batch_sizes=(64,), microbatches=(2,))
+def _split_pairs(config) -> bool:
+    """MLP tensor parallelism where the pipeline transform's stages split a (column, row) pair."""
+    if config.tensor == 1:
+        return False
+    features = layer_features(
+        config.model_config, config.tensor, "none", [4], get_preset(f"{config.hardware}:{config.tensor}")
+    )
+    try:
+        transform_layers_per_chunk(features, config.pipeline * config.virtual_stages)
+    except SplitBlockError:
+        return True
+    return False
+
+
+def _assert_same_as_exact(configs):
+    fast = evaluate(configs, progress=False, engine="fast")
+    exact = evaluate(configs, progress=False, engine="exact")
+    assert set(fast["engine"].tolist()) == {"fast"}
+    assert fast["status"].tolist() == exact["status"].tolist()
+    np.testing.assert_allclose(fast["step_time_s"], exact["step_time_s"], rtol=1e-5)
+    np.testing.assert_allclose(fast["peak_memory_bytes"], exact["peak_memory_bytes"], rtol=1e-9)
+    for name in ("compute_time_s", "communication_time_s", "bubble_time_s"):
+        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-4, atol=1e-9, err_msg=name)
+    return fast
+
+
+def test_mlp_tensor_pairs_split_by_single_layer_stages_run_fast():
+    """mlp-xs (8 layers) on t = 2, p = 8: each stage holds one layer, every other
+    message is a column layer's feature shard (DistIR's grid, part (a) of the benchmark)."""
+    space = StrategySpace(
+        model="mlp-xs",
+        world_sizes=(16,),
+        global_batch_sizes=(64, 256, 1024),
+        microbatches=(2, 4, 8),
+        dtype="f32",
+        hardware="dgx-a100-80gb",
+        optimizer="sgd",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and c.tensor == 2 and c.pipeline == 8]
+    assert len(configs) == 9 and all(_split_pairs(c) and not fast_unsupported(c) for c in configs)
+    _assert_same_as_exact(configs)
+
+
+@pytest.mark.parametrize(
+    "model, world_sizes, optimizer",
+    [
+        # 3 pairs on 4 chunks (p = 4, or p = 2 with v = 2): chunks of one or two layers,
+        # starting with a row layer or ending with a column layer.
+        (MLPConfig(num_layers=6, hidden=96), (4, 8, 16), "adam"),
+        (MLPConfig(num_layers=6, hidden=96), (8,), "sgd"),
+        # 5 pairs on 4 or 8 chunks, 4 on 8.
+        (MLPConfig(num_layers=10, hidden=64), (8, 16), "adam"),
+        (MLPConfig(num_layers=8, hidden=64), (16,), "adam"),
+    ],
+)
+def test_mlp_tensor_pairs_split_by_stages_match_the_exact_engine(model, world_sizes, optimizer):
+    """Mixed chunks, with data parallelism, gradient overlap and ZeRO, every schedule."""
+    space = StrategySpace(
+        model=model,
+        world_sizes=world_sizes,
+        global_batch_sizes=(48,),
+        microbatches=(2, 4),
+        schedules=("gpipe", "1f1b", "interleaved"),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        optimizer=optimizer,
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and _split_pairs(c)]
+    assert len(configs) >= 8
+    assert {c.schedule for c in configs} >= {"1f1b", "interleaved"}
+    if max(world_sizes) > 8:  # and replicas, with and without overlap and ZeRO
+        assert {(c.zero, c.overlap_grad_comm) for c in configs if c.data > 1} == {
+            (z, o) for z in (False, True) for o in (False, True)
+        }
+    _assert_same_as_exact(configs)
+
+
+def test_mlp_tensor_pairs_split_under_long_pipelines_run_short(steady_everywhere):
+    space = StrategySpace(
+        model="mlp-xs",
+        world_sizes=(16,),
+        global_batch_sizes=(256,),
+        microbatches=(16, 32),
+        overlap_grad_comm=(False, True),
+        zero=(False, True),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and _split_pairs(c)]
+    engine = FastEngine(configs)
+    assert any(engine.prepare([c])[0][1].steady is not None for c in configs)
+    _assert_same_as_exact(configs)
+
+
+def test_mlps_the_fast_engine_does_not_model_under_tensor_parallelism_run_exact():
+    """One (column, row) pair, or an odd number of layers: the exact engine."""
+    for layers, reason in ((2, "at least two blocks"), (3, "odd number")):
+        space = StrategySpace(
+            model=MLPConfig(num_layers=layers, hidden=64),
+            world_sizes=(2, 4),
+            global_batch_sizes=(16,),
+            microbatches=(2,),
         )
-        if c.valid
-    ]
-    split = [c for c in configs if c.tensor == 2 and c.pipeline == 8]  # 4 layer pairs, 8 stages
-    assert split and all("pair" in fast_unsupported(c) for c in split)
-    assert not fast_unsupported(next(c for c in configs if c.tensor == 2 and c.pipeline == 4))
+        configs = [c for c in enumerate_configs(space) if c.valid]
+        table = evaluate(configs, progress=False, engine="fast")
+        for c, engine in zip(configs, table["engine"], strict=True):
+            assert (engine == "exact") == (c.tensor > 1), c
+            assert (reason in fast_unsupported(c)) == (c.tensor > 1), c
+
+
+def test_per_layer_features_add_up_to_the_pairs():
+    """An MLP under tensor parallelism measured per layer: each pair's two layers cost
+    what the pair costs, and a column layer's output is a 1 / t feature shard."""
+    model, hardware = get_model_config("mlp-xs"), get_preset("dgx-a100-80gb:8")
+    pairs = layer_features(model, 2, "none", [4, 8], hardware, optimizer="adam")
+    layers = layer_features(model, 2, "none", [4, 8], hardware, optimizer="adam", per_layer=True)
+    assert layers.per_layer and layers.step.shape[0] == 6 and layers.num_blocks == model.num_layers
+    for name in ("step", "step_flops", "optimizer", "accumulate"):
+        got = getattr(layers, name)
+        np.testing.assert_allclose(got[0::2] + got[1::2], getattr(pairs, name), rtol=1e-12, err_msg=name)
+    for name in ("param_bytes", "state_bytes"):
+        np.testing.assert_array_equal(getattr(layers, name).reshape(3, 2).sum(axis=1), getattr(pairs, name))
+    np.testing.assert_array_equal(layers.output_bytes[0::2], layers.output_bytes[1::2] / 2)
+    np.testing.assert_array_equal(layers.output_bytes[1], pairs.message_bytes)
+    assert layers.layer_costs() == pairs.layer_costs()
 
 
 def test_unknown_engine_is_an_error():

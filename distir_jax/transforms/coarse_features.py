@@ -379,6 +379,9 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
     for part in range(num_parts):
         if ("opt", part) in index:  # parts without weights (an MLP's loss) have no update
             optimizer_features[part] = feats[0, index[("opt", part)]]
+        if per_layer:  # a layer's lone update would keep its roofline: linear terms add up across layers
+            mask = np.asarray([lab == ("opt", part) for lab in labels])
+            optimizer_features[part] = linear[0, mask].sum(axis=0)
     accumulate = np.stack([seg.accumulate.sum(axis=0) for seg in segments])  # an Add per weight gradient
     b = np.asarray(sizes, np.float64)
     output_bytes = None
