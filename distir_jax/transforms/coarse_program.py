@@ -400,9 +400,9 @@ def _with_boundary_messages(tables: ChunkTables, features: LayerFeatures, layers
     """``tables`` plus a cost row per boundary and a memory row per boundary and direction
     (see ``ChunkTables.message_rows``): a message after a column layer is a feature shard.
 
-    As for whole pairs, an activation stays on its sender (an MLP layer's
-    backward reads its Relu output) and the receiver's first layer frees its
-    copy; a gradient goes from its sender."""
+    As for whole pairs, an activation stays on its sender if its backward
+    reads it (an MLP layer's Relu output, unless recomputed), and then the
+    receiver's first layer frees its copy; a gradient goes from its sender."""
     nbytes = boundary_bytes(features, layers)  # [n, S]
     n, s = nbytes.shape
     cost = np.zeros((s, n, _F))
@@ -412,6 +412,8 @@ def _with_boundary_messages(tables: ChunkTables, features: LayerFeatures, layers
     free = np.zeros_like(alloc)
     alloc[:, :, 1] = np.concatenate([nbytes, nbytes]).T
     free[:, n:, 0] = nbytes.T
+    if not features.output_used_by_own_backward:
+        free[:, :n, 0] = nbytes.T
     rows = (tables.cost.shape[1], tables.alloc.shape[1])
     return ChunkTables(
         np.concatenate([tables.cost, cost], axis=1),
