@@ -101,8 +101,9 @@ class LayerFeatures:
         last blocks rather than extra parts (MLP: the first layer's input needs
         no gradient; the last one's output gradient comes from the loss).
       output_used_by_own_backward: a block's backward reads the block's output
-        (an MLP layer's Relu gradient reads the Relu output), so a pipeline
-        chunk keeps the output it sent until its backward.
+        (an MLP layer's Relu gradient reads the Relu output, unless ``"full"``
+        recomputation recomputes it), so a pipeline chunk keeps the output it
+        sent until its backward.
       per_layer: parts are single layers rather than blocks (an MLP under
         tensor parallelism whose pipeline cut splits a column / row pair):
         ``P = 6`` parts, the measured three pairs' layers in order (first
@@ -412,7 +413,8 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
         op_flops=op_flops,
         layers_per_block=1 if per_layer else per_block,
         ends_are_blocks=isinstance(model, MLPConfig),
-        output_used_by_own_backward=isinstance(model, MLPConfig),
+        # Full recomputation reads a recomputed copy: the original goes with its last send.
+        output_used_by_own_backward=isinstance(model, MLPConfig) and policy != "full",
         per_layer=per_layer,
         output_bytes=output_bytes,
     )
