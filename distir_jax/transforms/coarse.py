@@ -15,7 +15,13 @@ message, and a few per stage for data parallelism. Two ways to get one:
 Tests check that the two agree op for op on small models.
 """
 
-from distir_jax.transforms.coarse_features import DIRECTIONS, PARTS, LayerFeatures, layer_features
+from distir_jax.transforms.coarse_features import (
+    DIRECTIONS,
+    PARTS,
+    LayerFeatures,
+    layer_features,
+    layer_parts,
+)
 from distir_jax.transforms.coarse_fuse import allocate_finish_slots, coarsen, fuse_groups, prune_implied
 from distir_jax.transforms.coarse_pipeline import (
     DATA_MODES,
@@ -58,6 +64,7 @@ __all__ = [
     "estimated_times",
     "fuse_groups",
     "layer_features",
+    "layer_parts",
     "message_times",
     "pipeline_template",
     "prune_implied",

@@ -107,7 +107,12 @@ def balanced_layers(features: LayerFeatures, num_chunks: int) -> np.ndarray:
     transform tends to choose: later 1F1B stages keep fewer microbatches in
     flight, so this also keeps peak memory lower. (On ties the two may still
     differ in which chunk gets a block.)
+
+    Features measured per layer (``features.per_layer``) get the pipeline
+    transform's own cut (:func:`transform_layers_per_chunk`), in layers.
     """
+    if features.per_layer:
+        return transform_layers_per_chunk(features, num_chunks)
     per_part = features.step_flops.sum(axis=1).mean(axis=-1)  # [3]: forward + backward, mean over variants
     return _fill_blocks(
         float(per_part[_EMBED]),
