@@ -81,9 +81,9 @@ def layer_pass_memory(features: LayerFeatures, layers: tuple) -> tuple:
     for later in (0, 1):
         r, m = features.backward_rise[:, later], features.backward_net[:, later]  # [P, freed, S]
 
-        def backward(c, seq, r=r, m=m):
+        def backward(c, seq, r=r, m=m):  # last layer first; a receiving chunk's first frees its input
             freed = [int(_receives(features, c) and i == 0) for i in range(len(seq))]
-            return [(r[q, f], m[q, f]) for q, f in zip(seq[::-1], freed[::-1], strict=True)]
+            return [(r[q, f], m[q, f]) for q, f in reversed(list(zip(seq, freed, strict=True)))]
 
         bwd.append(table(backward))
     return fwd, bwd
