@@ -67,7 +67,14 @@ ENGINES = ("exact", "fast")
 
 
 def fast_unsupported(config: Config) -> str:
-    """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``."""
+    """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``.
+
+    Not modelled: models other than GPTs and MLPs, sequence parallelism, and
+    under tensor parallelism an MLP of an odd number of layers or of a single
+    (column, row) pair (and an MLP of one layer without it). Pipeline cuts
+    inside a pair are modelled (per layer), with any schedule, data
+    parallelism, gradient overlap and ZeRO.
+    """
     model = config.model_config
     if not isinstance(model, (TransformerConfig, MLPConfig)):
         return f"the fast engine models GPT and MLP training steps, not {type(model).__name__}"
