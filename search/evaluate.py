@@ -84,6 +84,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from distir_jax.host_timeline import run_ops_host
+from distir_jax.ir._gc import older_objects_frozen
 from distir_jax.kernel import (
     STATUS_INVALID,
     OpCosts,
@@ -181,6 +182,34 @@ def evaluate(
       A :class:`ResultTable`, one row per configuration, in enumeration order
       (rows read from ``results_path`` that are not in the space come last).
     """
+    # Full collections during the sweep skip the caller's long-lived objects (see _gc).
+    with older_objects_frozen():
+        return _evaluate(
+            space_or_configs,
+            results_path,
+            max_configs_per_call,
+            max_bytes,
+            progress,
+            shard,
+            process_index,
+            process_count,
+            checkpoint_seconds,
+            engine,
+        )
+
+
+def _evaluate(
+    space_or_configs,
+    results_path,
+    max_configs_per_call,
+    max_bytes,
+    progress,
+    shard,
+    process_index,
+    process_count,
+    checkpoint_seconds,
+    engine,
+) -> ResultTable:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     configs = as_configs(space_or_configs)

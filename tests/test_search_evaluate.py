@@ -1,6 +1,7 @@
 """Batched sweeps against the reference simulator; sharding, resuming and compile reuse."""
 
 import functools
+import gc
 import importlib
 import math
 import os
@@ -335,3 +336,26 @@ def test_a_sweep_under_x64_compiles_its_kernel_for_x64(monkeypatch):
     assert keys and all(
         evaluate_module._COMPILED[k].result().out_info.clock.dtype == np.float64 for k in keys
     )
+
+
+def test_sweeps_keep_full_collections_off_older_objects_and_restore_the_callers_gc(monkeypatch):
+    seen = []
+    prepare = evaluate_module.FastEngine.prepare
+
+    def spy(self, group, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return prepare(self, group, **kwargs)
+
+    monkeypatch.setattr(evaluate_module.FastEngine, "prepare", spy)
+    configs = [c for c in enumerate_configs(MLP_SPACE) if c.valid][:4]
+    assert gc.get_freeze_count() == 0
+    evaluate(configs, progress=False)
+    assert seen and min(seen) > 0  # the caller's objects were frozen during the sweep
+    assert gc.get_freeze_count() == 0  # and are back in the oldest generation after it
+    gc.freeze()  # a caller that froze objects itself keeps exactly its own freeze
+    try:
+        frozen = gc.get_freeze_count()
+        evaluate(configs, progress=False)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
