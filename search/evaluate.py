@@ -163,7 +163,9 @@ def evaluate(
         ``checkpoint_seconds`` while running, so an interrupted sweep resumes).
       max_configs_per_call: most rows in one kernel call. Default: 256 on CPU
         (the kernel's per-step tables then stay in cache: about twice the
-        throughput per row of 1024-row calls on a 2-core CPU), 4096 on accelerators.
+        throughput per row of 1024-row calls on a 2-core CPU), 4096 on
+        accelerators once the sweep compiles (its calls on the host: 256; a
+        sweep that never compiles never starts a JAX backend).
       max_bytes: most estimated kernel memory of one call, in bytes; programs
         waiting to be batched hold at most twice this on the host.
       progress: show a progress bar (tqdm if installed) in configurations/s.
@@ -216,8 +218,7 @@ def _evaluate(
     existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
     done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
     todo = [c for c in configs if c.config_id not in done_ids]
-    index = jax.process_index() if process_index is None else int(process_index)
-    count = jax.process_count() if process_count is None else int(process_count)
+    index, count = _process_slice(process_index, process_count)
     if not 0 <= index < count:
         raise ValueError(f"process_index must be in [0, {count}), got {index}")
     todo = todo[index::count]
@@ -239,10 +240,7 @@ def _evaluate(
     models: dict = {}  # single-device programs, shared by the keys of one model and batch set
     valid = [c for c in todo if c.valid]
     largest = max((c.world_size for c in valid), default=1)
-    devices = _local_devices(shard)
-    if max_configs_per_call is None:
-        max_configs_per_call = _CPU_ROWS_PER_CALL if devices[0].platform == "cpu" else 4096
-    batcher = _Batcher(max_configs_per_call, max_bytes, devices, emit, len(valid), largest)
+    batcher = _Batcher(max_configs_per_call, max_bytes, shard, emit, len(valid), largest)
     fast_engine = FastEngine([c for c in valid if not fast_unsupported(c)]) if engine == "fast" else None
     for group in _groups(valid):
         rows_of_group = None
@@ -377,13 +375,19 @@ class _Batcher:
     """
 
     def __init__(
-        self, max_configs: int, max_bytes: int, devices: list, emit, expected_rows=0, expected_devices=1
+        self, max_configs: int | None, max_bytes: int, shard: bool, emit, expected_rows=0, expected_devices=1
     ):
-        if max_configs < 1 or max_bytes < 1:
+        if (max_configs is not None and max_configs < 1) or max_bytes < 1:
             raise ValueError(
                 f"max_configs_per_call and max_bytes must be >= 1, got {max_configs}, {max_bytes}"
             )
-        self.max_configs, self.max_bytes, self.devices, self.emit = max_configs, max_bytes, devices, emit
+        # Until the sweep compiles, calls run on the host: the JAX devices (and the
+        # default rows per call, which depends on their platform) are looked up only
+        # then, so a sweep that never compiles never starts a JAX backend.
+        self.default_rows = max_configs is None
+        self.max_configs = _CPU_ROWS_PER_CALL if max_configs is None else max_configs
+        self.max_bytes, self.shard, self.emit = max_bytes, shard, emit
+        self._devices: list | None = None
         # What the whole sweep will add, for compiling its kernel from the first row on.
         self.expected_rows, self.expected_devices = expected_rows, expected_devices
         self.compiling = False  # whether the sweep compiles kernels (see _HOST_CALL_SECONDS)
@@ -428,6 +432,20 @@ class _Batcher:
                 self._flush(max(self.held, key=lambda k: sum(self.held[k].values())), wait=True)
         self._run_queued(wait=False)
 
+    @property
+    def devices(self) -> list:
+        """The local JAX devices calls are sharded over (found on first use)."""
+        if self._devices is None:
+            self._devices = _local_devices(self.shard)
+            if self.default_rows and self._devices[0].platform != "cpu":
+                self.max_configs = 4096
+        return self._devices
+
+    def _cover(self, capacity: Capacity) -> Capacity:
+        """What a call of ``capacity`` is padded to: a compiled kernel's sizes that hold
+        it, once the sweep compiles (host calls pad nothing)."""
+        return _compiled_cover(capacity, self.devices) if self.compiling else capacity
+
     def flush_all(self) -> None:
         """Simulates every pending row, sorted by length into full calls (see :meth:`_plan`)."""
         plan = self._plan()
@@ -461,13 +479,13 @@ class _Batcher:
             longest = items[0][1].capacity.num_ops
             capacity = functools.reduce(Capacity.union, (item[1].capacity.bucketed() for item in items))
             capacity = dataclasses.replace(capacity, num_ops=longest)
-            plan.append((_compiled_cover(capacity, self.devices), items))
+            plan.append((self._cover(capacity), items))
         return plan
 
     def _limit(self, capacity: Capacity) -> int:
         """Most rows of one call: a call holds one slice of ops at a time (on the host
         and on the device), so this does not depend on the programs' lengths."""
-        n = len(self.devices)
+        n = len(self._devices) if self._devices is not None else 1  # host calls: one device
         rows = min(self.max_configs, max(1, self.max_bytes // row_bytes(_kernel_capacity(capacity))))
         return max(n, rows // n * n)
 
@@ -516,7 +534,7 @@ class _Batcher:
 
     def _queue(self, items: list, capacity: Capacity) -> None:
         """Queues the calls that simulate ``items``; their kernels start compiling now."""
-        capacity = _compiled_cover(_whole_slices(capacity), self.devices)  # pad, not compile
+        capacity = self._cover(_whole_slices(capacity))  # pad, not compile
         limit = self._limit(capacity)
         for start in range(0, len(items), limit):
             chunk = items[start : start + limit]
@@ -541,7 +559,7 @@ class _Batcher:
                 and _host_seconds(*_steps_and_op_rows(chunk))
                 < min(_HOST_CALL_SECONDS, call.due - time.perf_counter())
             )
-            out = _run(None if host else call.result(), rows, periods, self.devices, len(chunk))
+            out = _run(None if host else call.result(), rows, periods, self._devices, len(chunk))
             self.queued_bytes -= nbytes
             certified = out.pop("certified", np.ones(call.num_rows, bool))
             self.redo.extend(c for i, (c, *_) in enumerate(chunk) if not certified[i])
@@ -586,6 +604,18 @@ def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: st
 
 def _local_devices(shard: bool) -> list:
     return list(jax.local_devices()) if shard else [jax.local_devices()[0]]
+
+
+def _process_slice(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    """This process's slice of a sweep: the given index and count, else jax's.
+
+    Without ``jax.distributed`` there is one process: asking jax would start its
+    backend, which a sweep whose calls all run on the host never needs."""
+    if process_index is None or process_count is None:
+        several = jax.distributed.is_initialized()
+    index = process_index if process_index is not None else (jax.process_index() if several else 0)
+    count = process_count if process_count is not None else (jax.process_count() if several else 1)
+    return int(index), int(count)
 
 
 def _run(advance, rows: RowStack, periods, devices, num_items: int) -> dict:

@@ -229,6 +229,26 @@ def test_sharded_and_unsharded_tables_are_identical():
     assert "SHARDED_OK" in done.stdout
 
 
+HOST_ONLY_SCRIPT = textwrap.dedent("""
+    from jax._src import xla_bridge
+    from search import StrategySpace, evaluate
+    table = evaluate(StrategySpace(model="mlp-xs", world_sizes=(1, 2, 4), global_batch_sizes=(16, 64)),
+                     progress=False)
+    assert (table["status"] == "ok").sum() > 10, table["status"]
+    assert not xla_bridge.backends_are_initialized(), "a sweep run on the host started a JAX backend"
+    print("HOST_ONLY_OK", len(table))
+""")
+
+
+def test_a_sweep_that_runs_on_the_host_starts_no_jax_backend():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = [sys.executable, "-c", HOST_ONLY_SCRIPT]
+    done = subprocess.run(script, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "HOST_ONLY_OK" in done.stdout
+
+
 def test_calls_run_on_the_host_give_the_compiled_kernels_table_bit_for_bit(monkeypatch):
     # A call whose kernel is still compiling may run on the host instead.
     from distir_jax.transforms import coarse_steady
