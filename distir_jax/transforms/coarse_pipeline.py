@@ -168,21 +168,40 @@ class PipelineTemplate:
         return perm, flat[perm]
 
     @functools.cached_property
+    def stage_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The stages that have memory events, where each one's run starts in
+        :attr:`stage_events`' order, and how long it is."""
+        perm, event_stage = self.stage_events
+        stages, starts = np.unique(event_stage, return_index=True)
+        return stages, starts, np.diff(np.append(starts, perm.shape[0]))
+
+    @functools.cached_property
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Cost-table and memory-table row of every op (see :class:`~.coarse_program.ChunkTables`)."""
         n, p = self.num_chunks, self.pipeline
         kind, chunk, stage = self.kind, self.chunk, self.stage[:, 0]
         later = self.microbatch > 0
-        send = (kind == SEND_ACTIVATION) | (kind == SEND_GRADIENT)
-        cost_row = np.select(
-            [kind == F, kind == B, send, kind == REDUCE, kind == UPDATE],
-            [chunk, n + chunk + n * later, 3 * n, 3 * n + 1 + chunk, 4 * n + 1 + stage],
-            4 * n + p + 1 + stage,
+        # Each row is linear in the op's chunk, stage and "later microbatch" by
+        # kind (F, B, two sends, reduce, update, gather): one lookup per term.
+        cost_row = _by_kind(
+            kind,
+            chunk,
+            stage,
+            later,
+            start=(0, n, 3 * n, 3 * n, 3 * n + 1, 4 * n + 1, 4 * n + p + 1),
+            per_chunk=(1, 1, 0, 0, 1, 0, 0),
+            per_stage=(0, 0, 0, 0, 0, 1, 1),
+            per_later=(0, n, 0, 0, 0, 0, 0),
         )
-        memory_row = np.select(
-            [kind == F, kind == B, kind == SEND_ACTIVATION, kind == SEND_GRADIENT, kind == UPDATE],
-            [chunk, n + chunk + n * later, 3 * n, 3 * n + p + 2, 3 * n + 1 + stage],
-            3 * n + p + 1,
+        memory_row = _by_kind(
+            kind,
+            chunk,
+            stage,
+            later,
+            start=(0, n, 3 * n, 3 * n + p + 2, 3 * n + p + 1, 3 * n + 1, 3 * n + p + 1),
+            per_chunk=(1, 1, 0, 0, 0, 0, 0),
+            per_stage=(0, 0, 0, 0, 0, 1, 0),
+            per_later=(0, n, 0, 0, 0, 0, 0),
         )
         if self.segments is not None:  # segment rows follow (see ChunkTables), then per-weight ones
             offset = np.concatenate([[0], np.cumsum([len(c) for c in self.segments])])
@@ -210,11 +229,18 @@ class PipelineTemplate:
     def link_kind(self) -> np.ndarray:
         """``[N]`` which link an op is costed on: 0 none (its own device), 1 the
         tensor-parallel group's, 2 the two devices of a send, 3 the data-parallel group's."""
-        kind = self.kind
-        on_dp = (kind == REDUCE) | (kind == GATHER) | ((kind == UPDATE) & (self.mode == "sync"))
-        return np.select(
-            [kind <= B, (kind == SEND_ACTIVATION) | (kind == SEND_GRADIENT), on_dp], [1, 2, 3], 0
-        ).astype(np.int8)
+        # By kind (F, B, two sends, reduce, update, gather); an update talks to the
+        # data-parallel group only in mode "sync" (it all-reduces there).
+        table = np.asarray([1, 1, 2, 2, 3, 3 if self.mode == "sync" else 0, 3], np.int8)
+        return table[self.kind]
+
+
+def _by_kind(kind, chunk, stage, later, *, start, per_chunk, per_stage, per_later) -> np.ndarray:
+    """``start[k] + per_chunk[k] * chunk + per_stage[k] * stage + per_later[k] * later``
+    for each op's kind ``k`` (chunk and stage are -1 where an op has none: their
+    coefficient is 0 there)."""
+    table = np.asarray([start, per_chunk, per_stage, per_later], np.int64)[:, kind]
+    return table[0] + table[1] * chunk + table[2] * stage + table[3] * later
 
 
 def pipeline_template(

@@ -789,14 +789,13 @@ def stage_peak_memory(
     (``[N]``), ``alloc`` and ``free`` are ``[S, M, 2]`` tables and op ``i``'s
     bytes are their row ``table_rows[i]``.
     """
-    perm, event_stage = template.stage_events
-    stages, starts = np.unique(event_stage, return_index=True)
+    perm, _ = template.stage_events
+    stages, starts, counts = template.stage_runs
     s = alloc.shape[0]
     events = perm if table_rows is None else 2 * np.asarray(table_rows)[perm // 2] + perm % 2
     a = alloc.reshape(s, -1)[:, events]
     delta = a - free.reshape(s, -1)[:, events]
     running = np.cumsum(delta, axis=1) - delta
-    counts = np.diff(np.append(starts, perm.shape[0]))
     rise = running - np.repeat(running[:, starts], counts, axis=1) + a
     if steady is not None:
         segment = np.repeat(np.arange(len(starts)), counts)
