@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from distir_jax.ir import registered_op_types
 from distir_jax.models import MLPConfig, TransformerConfig
 from distir_jax.transforms.coarse import (
     SplitBlockError,
@@ -64,6 +65,10 @@ from search._transform import parallel_config
 from search.space import HARDWARE_DTYPE, Config, _topology
 
 ENGINES = ("exact", "fast")
+
+# Every sweep measures fine blocks, which reads the op registry: load its
+# definitions with the engine, not inside the first sweep (they load lazily).
+registered_op_types()
 
 
 def fast_unsupported(config: Config) -> str:
