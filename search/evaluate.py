@@ -630,20 +630,23 @@ def _run(advance, rows: RowStack, periods, devices, num_items: int) -> dict:
     computed on the host. Calls are asynchronous: the host prepares the next
     slice of ops while the kernel runs the last.
     """
-    first = rows.program(0, _OP_CHUNK)
+    left = np.where(np.arange(rows.num_rows) < num_items, rows.per_device["num_ops"], 0)
+    # The compiled kernel runs whole slices of ops (its shapes); the host runs only up
+    # to the last op any row has (a call of short rows pads its ops to a whole slice).
+    longest = rows.capacity.num_ops if advance is not None else max(1, int(left.max(initial=0)))
+    first = rows.program(0, min(_OP_CHUNK, longest))
     state, rates = _begin_rows(first, rows.hardware, xp=np)
     if advance is not None:
         state = jax.device_put(state, _config_sharding(tuple(devices), configs_last=True))
-    left = np.where(np.arange(rows.num_rows) < num_items, rows.per_device["num_ops"], 0)
     for lo in range(0, rows.capacity.num_ops, _OP_CHUNK):
-        r = rows.num_rows
+        r, hi = rows.num_rows, min(lo + _OP_CHUNK, longest)
         if advance is None:  # the host runs only the rows with ops left (longest first: a prefix)
             running = np.flatnonzero(left > lo)
             if not len(running):
                 break
             r = int(running[-1]) + 1
-        chunk = first if lo == 0 and r == rows.num_rows else rows.program(lo, lo + _OP_CHUNK, r)
-        weight = None if periods is None else periods["op_weight"][:r, lo : lo + _OP_CHUNK]
+        chunk = first if lo == 0 and r == rows.num_rows else rows.program(lo, hi, r)
+        weight = None if periods is None else periods["op_weight"][:r, lo:hi]
         running_rates = rates
         if r < rows.num_rows:
             running_rates = dataclasses.replace(rates, table=rates.table[:r], launch=rates.launch[:r])
