@@ -140,6 +140,8 @@ _CPU_ROWS_PER_CALL = 256
 _HELD_PER_CALL_BYTES = 2
 
 
+# Full collections during a sweep skip the caller's long-lived objects (see _gc).
+@older_objects_frozen()
 def evaluate(
     space_or_configs: StrategySpace | Sequence[Config],
     *,
@@ -184,34 +186,6 @@ def evaluate(
       A :class:`ResultTable`, one row per configuration, in enumeration order
       (rows read from ``results_path`` that are not in the space come last).
     """
-    # Full collections during the sweep skip the caller's long-lived objects (see _gc).
-    with older_objects_frozen():
-        return _evaluate(
-            space_or_configs,
-            results_path,
-            max_configs_per_call,
-            max_bytes,
-            progress,
-            shard,
-            process_index,
-            process_count,
-            checkpoint_seconds,
-            engine,
-        )
-
-
-def _evaluate(
-    space_or_configs,
-    results_path,
-    max_configs_per_call,
-    max_bytes,
-    progress,
-    shard,
-    process_index,
-    process_count,
-    checkpoint_seconds,
-    engine,
-) -> ResultTable:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     configs = as_configs(space_or_configs)
@@ -611,8 +585,7 @@ def _process_slice(process_index: int | None, process_count: int | None) -> tupl
 
     Without ``jax.distributed`` there is one process: asking jax would start its
     backend, which a sweep whose calls all run on the host never needs."""
-    if process_index is None or process_count is None:
-        several = jax.distributed.is_initialized()
+    several = (process_index is None or process_count is None) and jax.distributed.is_initialized()
     index = process_index if process_index is not None else (jax.process_index() if several else 0)
     count = process_count if process_count is not None else (jax.process_count() if several else 1)
     return int(index), int(count)
