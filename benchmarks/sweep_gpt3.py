@@ -47,25 +47,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import functools
 import platform
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from distir_jax.cost import COST_FEATURES
+from distir_jax.grouped_timeline import pack_ops, padding_ops, run_grouped, start_grouped, step_times
 from distir_jax.hardware import Hardware
-from distir_jax.kernel import (
-    STATUS_OK,
-    STATUS_OUT_OF_MEMORY,
-    conclude,
-    hardware_rows,
-    run_ops,
-    start_timeline,
-)
-from distir_jax.lower import Program
+from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, hardware_rows, op_costs, status_codes
 from distir_jax.models import get_model_config
 from distir_jax.presets import get_preset
 from distir_jax.transforms.coarse import (
@@ -78,7 +71,7 @@ from distir_jax.transforms.coarse import (
     template_size,
 )
 from distir_jax.transforms.coarse_program import stage_peak_memory
-from distir_jax.transforms.coarse_steady import extrapolate, steady_template, worth_it
+from distir_jax.transforms.coarse_steady import extrapolate, short_candidates, steady_template
 
 MODEL = "gpt3-175b"
 PRESET = "dgx-a100-80gb:64"
@@ -93,14 +86,21 @@ _MEMORY_ROWS = 3 * _MAX_CHUNKS + _MAX_STAGES + 3
 _PERIOD_RESOURCES = 2 * _MAX_STAGES
 # Largest relative error the steady-state certificate's bound may allow (float64 kernel).
 _STEADY_RTOL = 1e-9
-# One compiled kernel serves the whole sweep: every call has these shapes. It
-# runs its rows' programs _OP_CHUNK ops at a time (carrying the timeline), so
-# programs of any length share it; rows are sorted by length into calls.
+# One compiled kernel serves the whole sweep: every call has these shapes. A
+# call holds _GROUPS_PER_CALL groups of _ROWS_PER_GROUP configurations, each
+# group one template (distir_jax.grouped_timeline); it runs their programs
+# _OP_CHUNK ops at a time (carrying the timeline), so programs of any length
+# share it; groups are sorted by length into calls.
 _OP_CHUNK = 512
-_ROWS_PER_CALL = 128
-_TEMPLATES_PER_CALL = 128
+_GROUPS_PER_CALL = 64
+_ROWS_PER_GROUP = 16
 _MAX_SLOTS = 512  # finish slots (a template has at most ~n + 2p + a period's certificate)
 _DEPS_PER_OP = 1
+# Resources are stage-relative (stage * 2 + stream): one device per stage is simulated.
+_RESOURCES = 2 * _MAX_STAGES
+# Seconds columns per template: its distinct (cost row, stages, link kind)
+# combinations (at most 6 per chunk and 2 per stage), then a zero column for padding.
+_SECONDS_COLUMNS = 6 * _MAX_CHUNKS + 2 * _MAX_STAGES + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +169,10 @@ def enumerate_space(model, world: int = 64, global_batch: int = GLOBAL_BATCH) ->
 
 
 def _template_arrays(template, steady=None) -> dict:
-    """A template's per-op index arrays, cut into ``[chunks, _OP_CHUNK, ...]`` slices
-    of ops (padded past its end, packed: see :func:`_pack`), and each op's row of
-    the memory tables. With ``steady`` (a
+    """A template's packed ops (:func:`~distir_jax.grouped_timeline.pack_ops`) cut
+    into ``[chunks, _OP_CHUNK, 5]`` slices (padded past its end), the seconds
+    columns they read (``units``: cost row, stages and link kind of each), and
+    each op's row of the memory tables. With ``steady`` (a
     :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`), also the
     period's finish slots: each resource's clock before and after it.
     """
@@ -180,24 +181,26 @@ def _template_arrays(template, steady=None) -> dict:
             f"template {template.num_slots} finish slots / {template.dep_slot.shape[1]} deps per op: "
             f"the kernel is compiled for <= {_MAX_SLOTS} / {_DEPS_PER_OP}"
         )
+    cost_row, memory_row = template.rows
+    stage, kind = template.stage, template.link_kind
+    # An op's duration depends on its cost row and on the devices and link it
+    # runs on (per configuration): one seconds column per distinct combination.
+    span = _MAX_STAGES + 1
+    combination = ((cost_row.astype(np.int64) * span + stage[:, 0] + 1) * span + stage[:, 1] + 1) * 4 + kind
+    _, first, column = np.unique(combination, return_index=True, return_inverse=True)
+    if len(first) >= _SECONDS_COLUMNS:
+        raise ValueError(f"template has {len(first)} seconds columns, the kernel {_SECONDS_COLUMNS - 1}")
+    resource = np.stack(
+        [stage[:, 0] * 2 + template.stream, np.where(stage[:, 1] >= 0, stage[:, 1] * 2, -1)], 1
+    )
+    ops = pack_ops(resource, template.dep_slot[:, 0], template.out_slot, column, _RESOURCES, _MAX_SLOTS)
     n, c = template.num_ops, _OP_CHUNK
     chunks = -(-n // c)
-    cost_row, memory_row = template.rows
-    ops = {}
-    for name, value, fill in (
-        ("cost_row", cost_row, -1),  # -1: the table's last row, all zeros
-        ("stage", template.stage, -1),
-        ("stream", template.stream, 0),
-        ("link_kind", template.link_kind, 0),
-        ("dep_slot", template.dep_slot, -1),
-        ("out_slot", template.out_slot, -1),
-    ):
-        array = np.full((chunks * c,) + value.shape[1:], fill, np.int32)
-        array[:n] = value
-        ops[name] = array.reshape((chunks, c) + value.shape[1:])
+    ops = np.concatenate([ops, _padding(chunks * c - n)]).reshape(chunks, c, 5)
     # Memory per op (-1: the tables' last row, all zeros), for stage_peak_memory.
     memory_row = np.where(memory_row >= 0, memory_row, _MEMORY_ROWS - 1)
-    out = dict(ops=_pack(ops), memory_row=memory_row, template=template, steady=steady)
+    units = dict(cost_row=cost_row[first], stage=stage[first], kind=kind[first])
+    out = dict(ops=ops, units=units, memory_row=memory_row, template=template, steady=steady)
     out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     if steady is not None:
@@ -208,144 +211,49 @@ def _template_arrays(template, steady=None) -> dict:
     return out
 
 
-def _pack(arrays: dict) -> np.ndarray:
-    """Per-op fields as one int32 array ``[..., C, 7]`` (one transfer per slice)."""
-    column = lambda name: arrays[name].reshape(arrays[name].shape[:2] + (-1,))  # noqa: E731
-    return np.concatenate([column(k) for k in _OP_KEYS], axis=-1)
+def _padding(count: int) -> np.ndarray:
+    """``[count, 5]`` ops past a template's end (reading the zero seconds column)."""
+    return padding_ops(count, _RESOURCES, _MAX_SLOTS, _SECONDS_COLUMNS - 1)
 
 
-def _unpack(ops) -> dict:
-    """:func:`_pack`'s fields again, ``[..., C]`` (``stage [..., C, 2]``), inside jit."""
-    return dict(
-        cost_row=ops[..., 0],
-        stage=ops[..., 1:3],
-        stream=ops[..., 3],
-        link_kind=ops[..., 4],
-        dep_slot=ops[..., 5:6],
-        out_slot=ops[..., 6],
-    )
-
-
-_OP_KEYS = ("cost_row", "stage", "stream", "link_kind", "dep_slot", "out_slot")
-
-
-def _padding_slice() -> np.ndarray:
-    """One slice of a template past its end: no ops (packed)."""
-    c = _OP_CHUNK
-    arrays = dict(
-        cost_row=np.full(c, -1, np.int32),
-        stage=np.full((c, 2), -1, np.int32),
-        stream=np.zeros(c, np.int32),
-        link_kind=np.zeros(c, np.int32),
-        dep_slot=np.full((c, _DEPS_PER_OP), -1, np.int32),
-        out_slot=np.full(c, -1, np.int32),
-    )
-    return _pack({k: v[None] for k, v in arrays.items()})[0]
-
-
-def _expand_row(tmpl, tid, cost, device, tp_link, dp_link):
-    """One configuration's slice of ops on real devices, and its features (inside jit)."""
-    stage = tmpl["stage"][tid]  # [C, 2]
-    s = jnp.maximum(stage, 0)
-    slot_device = jnp.where(stage >= 0, device[s], -1)
-    stream = jnp.stack([tmpl["stream"][tid], jnp.zeros_like(tmpl["stream"][tid])], axis=1)
-    resource = jnp.where(stage >= 0, slot_device * 2 + stream, -1)
-    kind = tmpl["link_kind"][tid][:, None]
-    own = jnp.stack([slot_device[:, 0], slot_device[:, 0]], axis=1)
-    link = jnp.where(
-        kind == 1,
-        tp_link[s[:, 0]],
-        jnp.where(kind == 2, slot_device, jnp.where(kind == 3, dp_link[s[:, 0]], own)),
-    )
-    return resource, slot_device, link, cost[tmpl["cost_row"][tid]]
-
-
-def _begin_call(rows, hardware):
-    num_rows, num_devices = rows["tid"].shape[0], hardware.peak_flops.shape[-1]
-    state = start_timeline(2 * num_devices, _MAX_SLOTS, num_rows)
-    return state, hardware_rows(hardware, per_config_structure=True)
-
-
-def _advance_call(state, rates, rows, ops):
-    """One slice of every row's ops, expanded from its template."""
-    tmpl = _unpack(ops)
-    tid = rows["tid"]
-    resource, slot_device, link, features = jax.vmap(functools.partial(_expand_row, tmpl))(
-        tid, rows["cost"], rows["device"], rows["tp_link"], rows["dp_link"]
-    )
-    num_rows, n = features.shape[:2]
-    zeros = jnp.zeros((num_rows, n), features.dtype)  # coarse ops have no roofline part left
-    placeholder = jnp.zeros((1, 1))
-    program = Program(
-        resource=resource.astype(jnp.int32),
-        slot_device=slot_device.astype(jnp.int32),
-        dep_slot=tmpl["dep_slot"][tid],
-        out_slot=tmpl["out_slot"][tid],
-        link=link.astype(jnp.int32),
-        is_comm=jnp.zeros(n, bool),
-        resource_device=jnp.zeros(state.clock.shape[0], jnp.int32),  # not read; its size is
-        num_ops=jnp.full(num_rows, n, jnp.int32),
-        alloc_bytes=placeholder,
-        free_bytes=placeholder,
-        resident_bytes=placeholder,
-        peak_bytes=placeholder,
-        num_finish_slots=_MAX_SLOTS,
-        **{
-            name: (zeros if name in ("flops", "mem_bytes") else features[..., i])
-            for i, name in enumerate(COST_FEATURES)
-        },
-    )
-    return run_ops(state, program, rates)[0]
-
-
-def _end_call(state, rows, hardware):
-    """Step time (a steady row's long program's, from the clocks around its period),
-    status (with the stages' peak bytes, computed on the host) and whether the period is certified."""
-    num_devices = hardware.peak_flops.shape[-1]
-    on_device = jnp.where(rows["device"] >= 0, rows["device"], num_devices)
-    scatter = jax.vmap(lambda where, x: jnp.zeros(num_devices).at[where].set(x, mode="drop"))
-    result = conclude(state, scatter(on_device, rows["stage_peak"]), hardware)
-    step_time, certified = extrapolate(
-        result.finish_slots,
-        rows["period_before"],
-        rows["period_after"],
-        rows["periods"],
-        result.step_time,
-        _STEADY_RTOL,
-        xp=jnp,
-    )
-    return step_time, result.status, certified
+def _end_call(state, before, after, periods):
+    """Step time of every row (a steady row's long program's, from the clocks
+    around its period) and whether its period is certified; ``[G * Bg]`` each."""
+    finish = jnp.moveaxis(state.finish, 1, 2).reshape(-1, state.finish.shape[1])
+    return extrapolate(finish, before, after, periods, step_times(state).reshape(-1), _STEADY_RTOL, xp=jnp)
 
 
 class _Kernel:
     """The compiled call, one shape for the whole sweep (compiled in a background thread
     from the start: XLA releases the GIL, so the host meanwhile builds tables)."""
 
-    def __init__(self, hardware):
-        self.future = _COMPILER.submit(self._compile, hardware)
+    def __init__(self):
+        self.future = _COMPILER.submit(self._compile)
 
     @staticmethod
-    def _compile(hardware):
+    def _compile():
         with jax.enable_x64(True):  # a `with` does not reach other threads
-            rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _empty_rows(_ROWS_PER_CALL).items()}
-            pad = _padding_slice()
-            ops = jax.ShapeDtypeStruct((_TEMPLATES_PER_CALL,) + pad.shape, pad.dtype)
-            hw = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float64), hardware)
-            state, rates = jax.eval_shape(_begin_call, rows, hw)
+            g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
+            state = jax.eval_shape(lambda: start_grouped(g, _RESOURCES, _MAX_SLOTS, b, jnp.float64))
+            ops = jax.ShapeDtypeStruct((g, _OP_CHUNK, 5), np.int32)
+            seconds = jax.ShapeDtypeStruct((g, _SECONDS_COLUMNS, b), np.float64)
+            period = jax.ShapeDtypeStruct((g * b, _PERIOD_RESOURCES), np.int32)
+            periods = jax.ShapeDtypeStruct((g * b,), np.float64)
             return (
-                jax.jit(_begin_call).lower(rows, hw).compile(),
-                jax.jit(_advance_call).lower(state, rates, rows, ops).compile(),
-                jax.jit(_end_call).lower(state, rows, hw).compile(),
+                jax.jit(start_grouped, static_argnums=(0, 1, 2, 3, 4))
+                .lower(g, _RESOURCES, _MAX_SLOTS, b, jnp.float64)
+                .compile(),
+                jax.jit(run_grouped, donate_argnums=0).lower(state, ops, seconds).compile(),
+                jax.jit(_end_call).lower(state, period, period, periods).compile(),
             )
 
-    def __call__(self, rows, slices, hardware):
-        """Issues one call (asynchronously); ``slices`` yields its templates' slices of ops."""
+    def __call__(self, seconds, slices, before, after, periods):
+        """Issues one call (asynchronously); ``slices`` yields its groups' slices of ops."""
         begin, advance, end = self.future.result()
-        rows = jax.device_put(rows)
-        state, rates = begin(rows, hardware)
+        state, seconds = begin(), jax.device_put(seconds)
         for ops in slices:
-            state = advance(state, rates, rows, jax.device_put(ops))
-        return end(state, rows, hardware)
+            state = advance(state, jax.device_put(ops), seconds)
+        return end(state, before, after, periods)
 
 
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-compile")
@@ -392,14 +300,13 @@ class _Rows:
         return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
 
     def fill(self, ids: np.ndarray, out: dict) -> None:
-        """Writes configurations ``ids`` into rows ``0..len(ids)-1`` of ``out``."""
+        """Writes configurations ``ids``' memory tables and devices into rows ``0..len(ids)-1`` of ``out``."""
         keys = self.key[ids]
         for k in np.unique(keys):
             rows = np.flatnonzero(keys == k)
             tables, _ = self.tables[k]
             variants = self.variant[ids[rows]]
             p, last, (device, tp_link, dp_link) = self.layout[k]
-            out["cost"][rows, : tables.cost.shape[1]] = tables.cost[variants]
             out["alloc"][rows, : tables.alloc.shape[1]] = tables.alloc[variants]
             out["free"][rows, : tables.free.shape[1]] = tables.free[variants]
             out["resident"][rows, :p] = tables.resident[variants]
@@ -409,94 +316,148 @@ class _Rows:
             out["tp_link"][rows, :p] = tp_link
             out["dp_link"][rows, :p] = dp_link
 
+    def cost_features(self, ids: np.ndarray, cost_rows: np.ndarray) -> np.ndarray:
+        """``[len(ids), F]``: configuration ``ids[i]``'s cost-table row ``cost_rows[i]``."""
+        out = np.empty((len(ids), len(COST_FEATURES)))
+        keys = self.key[ids]
+        for k in np.unique(keys):
+            rows = np.flatnonzero(keys == k)
+            out[rows] = self.tables[k][0].cost[self.variant[ids[rows]], cost_rows[rows]]
+        return out
+
 
 def _empty_rows(num_rows: int) -> dict:
     return dict(
-        tid=np.zeros(num_rows, np.int32),
-        periods=np.zeros(num_rows, np.float64),
-        cost=np.zeros((num_rows, _COST_ROWS, len(COST_FEATURES)), np.float64),
         alloc=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float64),
         free=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float64),
         resident=np.zeros((num_rows, _MAX_STAGES), np.float64),
         device=np.full((num_rows, _MAX_STAGES), -1, np.int32),
         tp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
         dp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
-        period_before=np.full((num_rows, _PERIOD_RESOURCES), -1, np.int32),
-        period_after=np.full((num_rows, _PERIOD_RESOURCES), -1, np.int32),
-        stage_peak=np.zeros((num_rows, _MAX_STAGES), np.float64),
     )
 
 
-def _calls(ids, template_of, size_of) -> list[np.ndarray]:
-    """Configuration ids of each kernel call: longest programs first, so a call's
-    rows have similar lengths (little padded work); at most ``_ROWS_PER_CALL``
-    rows and ``_TEMPLATES_PER_CALL`` templates per call."""
-    ids = sorted(ids, key=lambda i: (-size_of[i], template_of[i]))
-    calls, current, used = [], [], set()
-    for i in ids:
-        if len(current) == _ROWS_PER_CALL or (
-            template_of[i] not in used and len(used) == _TEMPLATES_PER_CALL
-        ):
-            calls.append(np.asarray(current))
-            current, used = [], set()
-        current.append(i)
-        used.add(template_of[i])
-    if current:
-        calls.append(np.asarray(current))
-    return calls
+def _seconds(rows: _Rows, groups: list, out: dict, units: list[dict], hw_rows) -> np.ndarray:
+    """``[G, _SECONDS_COLUMNS, Bg]``: each group's seconds columns (its template's
+    ``units``) for each of its configurations (``out``: their filled rows, group by
+    group, ``Bg`` per group); zeros elsewhere."""
+    b = _ROWS_PER_GROUP
+    parts = []  # one entry per (configuration, its template's seconds column)
+    for i, ((_, members), unit) in enumerate(zip(groups, units, strict=True)):
+        m, u = len(members), len(unit["cost_row"])
+        parts.append(
+            dict(
+                group=np.full(m * u, i),
+                row=np.repeat(i * b + np.arange(m), u),
+                column=np.tile(np.arange(u), m),
+                config=np.repeat(members, u),
+                cost_row=np.tile(unit["cost_row"], m),
+                stage=np.tile(unit["stage"], (m, 1)),
+                kind=np.tile(unit["kind"], m),
+            )
+        )
+    e = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    row, first, second = e["row"], np.maximum(e["stage"][:, 0], 0), e["stage"][:, 1]
+    sender = out["device"][row, first]
+    send = np.stack([sender, np.where(second >= 0, out["device"][row, np.maximum(second, 0)], -1)], -1)
+    k = e["kind"][:, None]
+    link = np.where(
+        k == 1,
+        out["tp_link"][row, first],
+        np.where(k == 2, send, np.where(k == 3, out["dp_link"][row, first], np.stack([sender, sender], -1))),
+    )
+    features = rows.cost_features(e["config"], e["cost_row"])
+    program = types.SimpleNamespace(
+        resource=link[None],  # only its shape is read
+        slot_device=send[None],
+        link=link[None],
+        **{
+            name: (0.0 if name in ("flops", "mem_bytes") else features[None, :, i])  # no roofline part left
+            for i, name in enumerate(COST_FEATURES)
+        },
+    )
+    seconds = np.zeros((_GROUPS_PER_CALL, _SECONDS_COLUMNS, b))
+    seconds[e["group"], e["column"], row % b] = op_costs(program, hw_rows, xp=np).seconds[:, 0]
+    return seconds
 
 
-def _run(calls, template_of, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, periods):
+def _groups(ids, template_of, size_of) -> list[list[tuple]]:
+    """Kernel calls, each a list of ``(template, configuration ids)`` groups: a
+    template's configurations in groups of at most ``_ROWS_PER_GROUP``, groups
+    longest programs first, so a call's groups have similar lengths (little
+    padded work), at most ``_GROUPS_PER_CALL`` per call."""
+    members: dict = {}
+    for i in sorted(ids):
+        members.setdefault(template_of[i], []).append(i)
+    groups = [
+        (key, np.asarray(m[j : j + _ROWS_PER_GROUP]))
+        for key, m in members.items()
+        for j in range(0, len(m), _ROWS_PER_GROUP)
+    ]
+    groups.sort(key=lambda group: (-size_of[group[1][0]], group[1][0]))
+    return [groups[j : j + _GROUPS_PER_CALL] for j in range(0, len(groups), _GROUPS_PER_CALL)]
+
+
+def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, periods):
     """Builds templates on first use, fills every call and issues it; returns
-    ``[(ids, stage peaks, result)]`` (no result without a ``kernel``: peaks only).
+    ``[(ids, stage peaks, devices, rows, result)]`` per call (``rows``: where
+    ``ids`` are among the call's rows, which ``result`` has all of; no result
+    without a ``kernel``: peaks only).
 
     Calls run asynchronously, so building the next templates, slices and peaks
     on the host overlaps the kernel running the previous ones. ``short`` maps
     the keys of steady templates to their SteadyTemplate; ``periods`` gives
     each configuration's extra periods (0 for a long template).
     """
-    templates, pad = {}, _padding_slice()
+    templates = {}
+    pad = _padding(_OP_CHUNK)
+    hw_rows = hardware_rows(hardware, per_config_structure=True, xp=np)
+    g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
     issued = []
-    for ids in calls:
-        used = list(dict.fromkeys(template_of[i] for i in ids))
-        for key in used:
+    for groups in calls:
+        for key, _ in groups:
             if key not in templates:
                 template = short[key].template if key in short else pipeline_template(*key[:5])
                 templates[key] = _template_arrays(template, short.get(key))
-        arrays = [templates[key] for key in used]
-        out = _empty_rows(_ROWS_PER_CALL)
-        index = {key: u for u, key in enumerate(used)}
-        tid = out["tid"][: len(ids)] = [index[template_of[i]] for i in ids]
-        out["periods"][: len(ids)] = periods[ids]
-        out["period_before"][: len(ids)] = [arrays[t]["period_before"] for t in tid]
-        out["period_after"][: len(ids)] = [arrays[t]["period_after"] for t in tid]
+        # Rows group by group; a group's spare rows, and spare groups, repeat a configuration.
+        ids = np.full((g, b), groups[0][1][0])
+        for i, (_, members) in enumerate(groups):
+            ids[i] = members[0]
+            ids[i, : len(members)] = members
+        ids = ids.reshape(-1)
+        arrays = [templates[key] for key, _ in groups]
+        out = _empty_rows(len(ids))
         rows.fill(ids, out)
-        for t, a in enumerate(arrays):  # peak memory needs no timeline: the product's rule, per template
-            members = np.flatnonzero(out["tid"][: len(ids)] == t)
-            out["stage_peak"][members] = stage_peak_memory(
+        stage_peak = np.zeros((len(ids), _MAX_STAGES))
+        for i, (a, (_, members)) in enumerate(zip(arrays, groups, strict=True)):
+            # Peak memory needs no timeline: the product's rule, per template.
+            at = slice(i * b, i * b + len(members))
+            stage_peak[at] = stage_peak_memory(
                 a["template"],
-                out["alloc"][members],
-                out["free"][members],
-                out["resident"][members],
+                out["alloc"][at],
+                out["free"][at],
+                out["resident"][at],
                 a["steady"],
-                extra_periods=out["periods"][members],
+                extra_periods=periods[ids[at]],
                 table_rows=a["memory_row"],
             )
-        for name in out:  # padding rows repeat the first
-            out[name][len(ids) :] = out[name][0]
-        peaks = out["stage_peak"][: len(ids)].max(axis=1)
+        # Results leave out the spare rows (they repeat a configuration).
+        real = np.concatenate([i * b + np.arange(len(members)) for i, (_, members) in enumerate(groups)])
         if kernel is None:
-            issued.append((ids, peaks, None))
+            issued.append((ids[real], stage_peak[real], out["device"][real], real, None))
             continue
-        chunks = max(len(a["ops"]) for a in arrays)
+        seconds = _seconds(rows, groups, out, [a["units"] for a in arrays], hw_rows)
+        arrays += [arrays[0]] * (g - len(arrays))  # spare groups
         slices = (
-            np.stack(
-                [a["ops"][j] if j < len(a["ops"]) else pad for a in arrays]
-                + [pad] * (_TEMPLATES_PER_CALL - len(arrays))
-            )
-            for j in range(chunks)
+            np.stack([a["ops"][j] if j < len(a["ops"]) else pad for a in arrays])
+            for j in range(max(len(a["ops"]) for a in arrays))
         )
-        issued.append((ids, peaks, kernel(out, slices, hardware)))
+        before, after = (
+            np.repeat(np.stack([a[name] for a in arrays]), b, axis=0)
+            for name in ("period_before", "period_after")
+        )
+        result = kernel(seconds, slices, before, after, periods[ids])
+        issued.append((ids[real], stage_peak[real], out["device"][real], real, result))
     return issued
 
 
@@ -530,6 +491,18 @@ def gpt3_configs_per_second(
         return _gpt3(quick, fit_only, steady, verbose)
 
 
+def _steady(key: tuple):
+    """The steady template of a long template's key, or None. Interleaved
+    pipelines try ``4p`` short microbatches before the library's default ``5p``
+    (every row of this space certifies at ``4p`` at the time of writing;
+    a row that does not is simulated long)."""
+    p, _, _, schedule, _ = key
+    candidates = short_candidates(schedule, p)
+    if schedule == "interleaved":
+        candidates = (4 * p,) + candidates
+    return steady_template(*key, short_microbatches=candidates)
+
+
 def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     begin = time.perf_counter()
     phases = {}
@@ -546,13 +519,14 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
         )
     # The kernel's shapes are fixed: it compiles (in the background) while the host builds tables.
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
-    kernel = _Kernel(hardware)
+    kernel = _Kernel()
     rows = _Rows(model, topology, configs)
     phases["features"] = time.perf_counter() - begin
     tick = time.perf_counter()
     # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
     long_of = [(c.pipeline, c.microbatches, c.virtual_stages, c.schedule, c.mode) for c in configs]
-    steady_of = {key: steady_template(*key) if steady and worth_it(*key) else None for key in set(long_of)}
+    # Every long pipeline that has a short one: short templates are shared by every k.
+    steady_of = {key: _steady(key) if steady else None for key in set(long_of)}
     short, template_of = {}, []
     periods = np.zeros(len(configs))
     for i, key in enumerate(long_of):
@@ -570,7 +544,7 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     step_time = np.full(len(configs), np.inf)
     status = np.full(len(configs), -1, np.int64)
     peak = np.full(len(configs), np.nan)
-    capacity = float(topology.memory_capacity.max())
+    device_capacity = np.asarray(hardware.memory_capacity, np.float64)
 
     def size(i):  # ops of a configuration's kernel template
         key = template_of[i]
@@ -578,23 +552,27 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
 
     todo = list(range(len(configs)))
     if fit_only:
-        calls = _calls(todo, template_of, {i: size(i) for i in todo})
-        for ids, peaks, _ in _run(calls, template_of, rows, None, hardware, short, periods):
-            peak[ids] = peaks
-        todo = [i for i in todo if peak[i] <= capacity]
-        status[peak > capacity] = STATUS_OUT_OF_MEMORY
+        calls = _groups(todo, template_of, {i: size(i) for i in todo})
+        for ids, stage_peak, device, _, _ in _run(calls, rows, None, hardware, short, periods):
+            peak[ids] = stage_peak.max(axis=1)
+            fits = np.all((stage_peak <= device_capacity[np.maximum(device, 0)]) | (device < 0), axis=1)
+            status[ids[~fits]] = STATUS_OUT_OF_MEMORY
+        todo = [i for i in todo if status[i] != STATUS_OUT_OF_MEMORY]
         phases["memory"] = time.perf_counter() - tick
         tick = time.perf_counter()
 
     def simulate_ids(ids):
         """Simulates configurations ``ids``; returns those whose period was not certified."""
-        calls = _calls(ids, template_of, {i: size(i) for i in ids})
-        redo = []
-        for members, peaks, result in _run(calls, template_of, rows, kernel, hardware, short, periods):
-            times, codes, certified = (x[: len(members)] for x in jax.device_get(result))
-            step_time[members], status[members], peak[members] = times, codes, peaks
-            redo += [int(i) for i in members[~certified]]
-        return len(calls), redo
+        calls = _groups(ids, template_of, {i: size(i) for i in ids})
+        redo = set()
+        for members, stage_peak, device, real, result in _run(calls, rows, kernel, hardware, short, periods):
+            times, certified = (x[real] for x in jax.device_get(result))
+            capacity = np.where(device >= 0, device_capacity[np.maximum(device, 0)], np.inf)
+            step_time[members] = times
+            status[members] = status_codes(times, stage_peak.T, capacity.T, xp=np)
+            peak[members] = stage_peak.max(axis=1)
+            redo.update(int(i) for i in members[~certified])
+        return len(calls), sorted(redo)
 
     num_calls, redo = simulate_ids(todo)
     simulated_ops = sum(size(i) for i in todo)
@@ -676,12 +654,13 @@ def product_configs_per_second(quick: bool) -> dict:
     )
 
 
-def _set_rows_per_call(rows: int) -> None:
-    """Kernel calls of ``rows`` configurations (and up to as many templates, at most 512)."""
-    global _ROWS_PER_CALL, _TEMPLATES_PER_CALL
-    if rows < 1:
-        raise SystemExit(f"--rows-per-call must be >= 1, got {rows}")
-    _ROWS_PER_CALL, _TEMPLATES_PER_CALL = rows, min(rows, 512)
+def _set_call_shape(groups: int, rows: int) -> None:
+    """Kernel calls of ``groups`` groups (templates) of ``rows`` configurations each."""
+    global _GROUPS_PER_CALL, _ROWS_PER_GROUP
+    for name, value in (("--groups-per-call", groups), ("--rows-per-group", rows)):
+        if value < 1:
+            raise SystemExit(f"{name} must be >= 1, got {value}")
+    _GROUPS_PER_CALL, _ROWS_PER_GROUP = groups, rows
 
 
 def main() -> None:
@@ -697,10 +676,16 @@ def main() -> None:
         help="also simulate every pipeline at full length and compare (slow)",
     )
     parser.add_argument(
-        "--rows-per-call",
+        "--groups-per-call",
         type=int,
-        default=_ROWS_PER_CALL,
-        help=f"configurations per kernel call (default {_ROWS_PER_CALL}: a CPU; accelerators: thousands)",
+        default=_GROUPS_PER_CALL,
+        help=f"templates per kernel call (default {_GROUPS_PER_CALL}: a CPU; accelerators: more)",
+    )
+    parser.add_argument(
+        "--rows-per-group",
+        type=int,
+        default=_ROWS_PER_GROUP,
+        help=f"configurations per template group (default {_ROWS_PER_GROUP})",
     )
     parser.add_argument(
         "--product",
@@ -708,9 +693,9 @@ def main() -> None:
         help="also run the space through search.evaluate (the product's engine, exact overlap)",
     )
     args = parser.parse_args()
-    _set_rows_per_call(args.rows_per_call)
+    _set_call_shape(args.groups_per_call, args.rows_per_group)
     print(f"# {platform.node()} {platform.machine()} jax {jax.__version__} devices={jax.devices()}")
-    print(f"# rows/call {_ROWS_PER_CALL}, templates/call {_TEMPLATES_PER_CALL}, ops/slice {_OP_CHUNK}")
+    print(f"# groups/call {_GROUPS_PER_CALL}, rows/group {_ROWS_PER_GROUP}, ops/slice {_OP_CHUNK}")
     r = gpt3_configs_per_second(args.quick, fit_only=args.fit_only, steady=not args.no_steady)
     print(
         f"space: {r['space_configs']} configurations; evaluated {r['configs']} ({r['structural_keys']} "

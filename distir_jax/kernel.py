@@ -483,9 +483,17 @@ def conclude(
     capacity = _configs_last(xp.asarray(hardware.memory_capacity, dtype), 1, xp)
     capacity = xp.broadcast_to(capacity, (num_devices, b))
     peak = xp.broadcast_to(_configs_last(peak_bytes, 1, xp).astype(dtype), (num_devices, b))
+    status = status_codes(step_time, peak, capacity, valid, xp=xp)
+    return SimResult(step_time, peak.T, state.busy.T, status, finish_slots=state.finish.T)
+
+
+def status_codes(step_time, peak, capacity, valid=None, *, xp=jnp):
+    """``[B]`` status per configuration from its step time ``[B]`` and its
+    devices' peak bytes and capacities (``[D, B]`` each, configurations last):
+    invalid if anything is not finite or ``valid`` (``[B]``) says so, out of
+    memory if a device's peak exceeds its capacity, else ok."""
     oom = xp.any(peak > capacity, axis=0)
     ok = xp.isfinite(step_time) & xp.all(xp.isfinite(peak), axis=0)
     if valid is not None:
-        ok = ok & xp.broadcast_to(xp.asarray(valid, bool), (b,))
-    status = xp.where(ok, xp.where(oom, STATUS_OUT_OF_MEMORY, STATUS_OK), STATUS_INVALID).astype(xp.int32)
-    return SimResult(step_time, peak.T, state.busy.T, status, finish_slots=state.finish.T)
+        ok = ok & xp.broadcast_to(xp.asarray(valid, bool), ok.shape)
+    return xp.where(ok, xp.where(oom, STATUS_OUT_OF_MEMORY, STATUS_OK), STATUS_INVALID).astype(xp.int32)

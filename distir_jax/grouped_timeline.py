@@ -1,0 +1,122 @@
+"""A timeline kernel for configurations that share their op structure in groups.
+
+The general kernel (:mod:`distir_jax.kernel`) lets every configuration have
+its own structure, so each step gathers and scatters one element per
+configuration, each at its own index. On CPU, XLA spends ~60-80 ns per
+element on such gathers and scatters whatever the batch size, and that is
+most of a sweep's kernel time. Sweeps of coarse pipeline programs have a few
+to a few dozen configurations per template (the same ops, resources and
+finish slots; different op durations). Here a call holds ``G`` groups of
+``Bg`` rows, each group one template, and a step reads and writes each
+group's clocks and slots at one index per group, moving ``Bg`` contiguous
+values per index: ~15-20 ns per op-row on a 2-core CPU at ``G = 64, Bg = 16``
+(see ``benchmarks/RESULTS.md``).
+
+Semantics are :func:`distir_jax.kernel.run_ops`' exact ones for ops that take
+the same time on every resource they hold, with at most two resources and
+one dependency: an op starts at the largest of its resources' clocks, its
+dependency's finish slot and 0; it finishes ``seconds`` later, and its
+resources' clocks and its output slot become that finish time.
+
+Ops come packed, ``[..., 5]`` int32 per op (:func:`pack_ops`): two resources,
+a dependency slot, an output slot and a column of the group's seconds table.
+Index conventions (so a step never branches): a missing second resource
+repeats the first; a missing dependency reads slot ``S`` (never written,
+always 0); a missing output writes slot ``S + 1``; padding ops (past a
+template's end) hold resource ``R`` (never read by real ops, not part of the
+step time) and the last seconds column (all zeros).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["GroupedTimeline", "pack_ops", "padding_ops", "run_grouped", "start_grouped", "step_times"]
+
+FIELDS = ("resource_a", "resource_b", "dep_slot", "out_slot", "seconds_column")
+
+
+class GroupedTimeline(NamedTuple):
+    """The carry of :func:`run_grouped`.
+
+    Attributes:
+      clock: ``[G, R + 1, Bg]`` each resource's clock (the last one takes padding ops).
+      finish: ``[G, S + 2, Bg]`` finish slots (``S``: always 0; ``S + 1``: writes nobody reads).
+    """
+
+    clock: jax.Array
+    finish: jax.Array
+
+
+def start_grouped(groups: int, resources: int, slots: int, rows: int, dtype=None, xp=jnp) -> GroupedTimeline:
+    """Every clock and slot at zero: ``groups`` groups of ``rows`` rows."""
+    dtype = dtype or jnp.result_type(float)
+    return GroupedTimeline(
+        xp.zeros((groups, resources + 1, rows), dtype), xp.zeros((groups, slots + 2, rows), dtype)
+    )
+
+
+def pack_ops(resource, dep_slot, out_slot, seconds_column, num_resources: int, num_slots: int) -> np.ndarray:
+    """One template's ops as ``[N, 5]`` int32 for :func:`run_grouped`.
+
+    Args:
+      resource: ``[N, 2]`` resources each op holds (-1: none; every op holds a first one).
+      dep_slot: ``[N]`` the finish slot an op waits for (-1: none).
+      out_slot: ``[N]`` the slot its finish time goes to (-1: none).
+      seconds_column: ``[N]`` its column of the group's seconds table.
+      num_resources, num_slots: ``R`` and ``S`` of the timeline.
+    """
+    resource = np.asarray(resource)
+    first, second = resource[:, 0], resource[:, 1]
+    if len(first) and (first.min() < 0 or resource.max() >= num_resources):
+        raise ValueError(f"every op needs a first resource in [0, {num_resources}); got {first.min()}")
+    for name, slot in (("dep_slot", dep_slot), ("out_slot", out_slot)):
+        if np.size(slot) and np.max(slot) >= num_slots:
+            raise ValueError(f"{name} {np.max(slot)} is past the timeline's {num_slots} slots")
+    return np.stack(
+        [
+            first,
+            np.where(second >= 0, second, first),
+            np.where(np.asarray(dep_slot) >= 0, dep_slot, num_slots),
+            np.where(np.asarray(out_slot) >= 0, out_slot, num_slots + 1),
+            seconds_column,
+        ],
+        axis=1,
+    ).astype(np.int32)
+
+
+def padding_ops(count: int, num_resources: int, num_slots: int, zero_column: int) -> np.ndarray:
+    """``[count, 5]`` ops that change nothing a real op reads (see the module docstring)."""
+    op = [num_resources, num_resources, num_slots, num_slots + 1, zero_column]
+    return np.tile(np.asarray(op, np.int32), (count, 1))
+
+
+def run_grouped(state: GroupedTimeline, ops: jax.Array, seconds: jax.Array) -> GroupedTimeline:
+    """Runs one slice of every group's ops, in order.
+
+    Args:
+      state: the timeline so far.
+      ops: ``[G, C, 5]`` each group's next ``C`` packed ops.
+      seconds: ``[G, U, Bg]`` each group's table of op durations per row.
+    """
+    groups = jnp.arange(ops.shape[0])
+
+    def step(carry: GroupedTimeline, op):  # op: [G, 5], one index per group
+        clock, finish = carry
+        start = jnp.maximum(
+            jnp.maximum(clock[groups, op[:, 0]], clock[groups, op[:, 1]]), finish[groups, op[:, 2]]
+        )
+        end = start + seconds[groups, op[:, 4]]
+        clock = clock.at[groups, op[:, 0]].set(end).at[groups, op[:, 1]].set(end)
+        return GroupedTimeline(clock, finish.at[groups, op[:, 3]].set(end)), None
+
+    return jax.lax.scan(step, state, jnp.moveaxis(ops, 1, 0))[0]
+
+
+def step_times(state: GroupedTimeline) -> jax.Array:
+    """``[G, Bg]`` every row's step time: its latest resource clock."""
+    return jnp.max(state.clock[:, :-1], axis=1)
