@@ -154,7 +154,7 @@ class LayerFeatures:
         variants = tuple(range(self.num_variants)) if variants is None else tuple(variants)
         return _layer_costs(self, variants)
 
-    @property
+    @functools.cached_property
     def grad_order(self) -> tuple:
         """Per part, its weight gradients' bytes in the order its backward produces
         them (the order a data-parallel transform reduces them in)."""

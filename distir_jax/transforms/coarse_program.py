@@ -644,17 +644,6 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
     return out
 
 
-def _stage_grads(features: LayerFeatures, layers: tuple, stage: int, p: int) -> list[float]:
-    """A stage's gradient bytes in the order its backward passes make them (later chunks first)."""
-    coef = _pipeline_parts(features, layers, p).coef
-    n, order = coef.shape[0], features.grad_order
-    grads: list[float] = []
-    for c in range(n - 1 - (n - 1 - stage) % p, -1, -p):  # the stage's chunks, latest first
-        grads += list(order[_HEAD]) * int(coef[c, _HEAD]) + list(order[_BLOCK]) * int(coef[c, _BLOCK])
-        grads += list(order[_EMBED]) * int(coef[c, _EMBED])
-    return grads
-
-
 @functools.lru_cache(maxsize=4096)
 def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool) -> np.ndarray:
     """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
@@ -665,13 +654,36 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
     gradient: an all-reduce output as large as the gradient, a ZeRO
     reduce-scatter output ``1 / d`` of it (so the level falls as it goes).
     """
+    out_fraction = 1.0 / data if zero else 1.0
+    if features.per_layer:
+        extra = np.zeros(p)
+        for stage in range(p):
+            g = np.asarray(layer_stage_grads(features, layers, stage, p), np.float64)
+            released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
+            extra[stage] = max(0.0, float(np.max(g * out_fraction - released, initial=0.0)))
+        extra.setflags(write=False)  # cached
+        return extra
+    # A stage's gradients come in runs (per chunk: its head, its blocks, its
+    # embedding), each repeating one part's gradients. Every repetition starts
+    # after more has been released than the one before, so a run peaks in its
+    # first: the part's own peak ``rise``, less what earlier runs released.
+    coef = _pipeline_parts(features, layers, p).coef  # [n, 3]
+    parts = (_HEAD, _BLOCK, _EMBED)
+    rise, total = np.full(3, -np.inf), np.zeros(3)
+    for part in parts:
+        g = np.asarray(features.grad_order[part], np.float64)
+        if len(g):
+            released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
+            rise[part], total[part] = np.max(g * out_fraction - released), g.sum() * (1.0 - out_fraction)
+    n = coef.shape[0]
     extra = np.zeros(p)
     for stage in range(p):
-        grads = (layer_stage_grads if features.per_layer else _stage_grads)(features, layers, stage, p)
-        g = np.asarray(grads, np.float64)
-        out = g / data if zero else g
-        released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
-        extra[stage] = max(0.0, float(np.max(out - released, initial=0.0)))
+        chunks = np.arange(n - 1 - (n - 1 - stage) % p, -1, -p)  # latest first
+        counts = coef[np.ix_(chunks, parts)].reshape(-1)
+        part = np.tile(parts, len(chunks))
+        released = np.cumsum(counts * total[part]) - counts * total[part]
+        peaks = np.where(counts > 0, rise[part] - released, -np.inf)
+        extra[stage] = max(0.0, float(np.max(peaks, initial=0.0)))
     extra.setflags(write=False)  # cached
     return extra
 
