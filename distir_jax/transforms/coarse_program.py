@@ -676,14 +676,15 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
             released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
             rise[part], total[part] = np.max(g * out_fraction - released), g.sum() * (1.0 - out_fraction)
     n = coef.shape[0]
-    extra = np.zeros(p)
-    for stage in range(p):
-        chunks = np.arange(n - 1 - (n - 1 - stage) % p, -1, -p)  # latest first
-        counts = coef[np.ix_(chunks, parts)].reshape(-1)
-        part = np.tile(parts, len(chunks))
-        released = np.cumsum(counts * total[part]) - counts * total[part]
-        peaks = np.where(counts > 0, rise[part] - released, -np.inf)
-        extra[stage] = max(0.0, float(np.max(peaks, initial=0.0)))
+    if n % p:
+        raise ValueError(f"{n} chunks do not split evenly over {p} stages")
+    # [stage, run]: a stage's chunks latest first, each chunk's parts in backward order.
+    chunks = np.arange(p)[:, None] + p * np.arange(n // p - 1, -1, -1)[None, :]
+    counts = coef[chunks][:, :, parts].reshape(p, -1)
+    part = np.tile(parts, n // p)
+    released = np.cumsum(counts * total[part], axis=1) - counts * total[part]
+    peaks = np.where(counts > 0, rise[part] - released, -np.inf)
+    extra = np.maximum(np.max(peaks, axis=1), 0.0)
     extra.setflags(write=False)  # cached
     return extra
 
