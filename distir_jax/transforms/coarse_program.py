@@ -803,21 +803,29 @@ def stage_peak_memory(
     bytes are their row ``table_rows[i]``.
     """
     perm, _ = template.stage_events
-    stages, starts, counts = template.stage_runs
+    stages, starts, _ = template.stage_runs
     s = alloc.shape[0]
     events = perm if table_rows is None else 2 * np.asarray(table_rows)[perm // 2] + perm % 2
-    a = alloc.reshape(s, -1)[:, events]
-    delta = a - free.reshape(s, -1)[:, events]
-    running = np.cumsum(delta, axis=1) - delta
-    rise = running - np.repeat(running[:, starts], counts, axis=1) + a
-    if steady is not None:
-        segment = np.repeat(np.arange(len(starts)), counts)
-        in_period, after = steady.event_part == 1, steady.event_part == 2
-        net = np.add.reduceat(np.where(in_period, delta, 0.0), starts, axis=1)  # [S, stages]
+    freed = free.reshape(s, -1)[:, events]
+    delta = alloc.reshape(s, -1)[:, events] - freed
+    level = np.cumsum(delta, axis=1)  # bytes after each event, counted from the first stage's start
+    # An event's top (its level before it, plus what it allocates) is ``level + freed``;
+    # each stage's rise is its largest top above the level its run starts from.
+    base = level[:, starts] - delta[:, starts]  # [S, stages]
+    if steady is None:
+        rise = np.maximum.reduceat(level + freed, starts, axis=1) - base
+    else:
+        # Tops per (stage, part) run, parts A, Q, Z in program order: each copy of the
+        # period moves a stage's level by the period's net, so Q's copies top out at
+        # the first one's plus ``max(0, r * net)`` and Z at its own plus ``r * net``.
+        runs, run_stage, run_part, stage_runs, (first, last) = steady.stage_part_runs
+        top = np.maximum.reduceat(level + freed, runs, axis=1) - base[:, run_stage]  # [S, runs]
+        q0, q1 = np.maximum(first, 0), np.maximum(last, 0)
+        net = np.where(first >= 0, level[:, q1] - level[:, q0] + delta[:, q0], 0.0)  # [S, stages]
         r = steady.extra_periods if extra_periods is None else np.reshape(extra_periods, (-1, 1))
-        moved = r * net[:, segment]
-        rise += np.where(in_period, np.maximum(moved, 0.0), np.where(after, moved, 0.0))
-    rise = np.maximum.reduceat(rise, starts, axis=1)
+        moved = (r * net)[:, run_stage]
+        top += np.where(run_part == 1, np.maximum(moved, 0.0), np.where(run_part == 2, moved, 0.0))
+        rise = np.maximum.reduceat(top, stage_runs, axis=1)
     peak = np.array(resident, np.float64, copy=True)
     peak[:, stages] = np.maximum(peak[:, stages], resident[:, stages] + rise)
     return peak

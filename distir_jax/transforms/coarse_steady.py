@@ -98,6 +98,27 @@ class SteadyTemplate:
     resources: np.ndarray
     event_part: np.ndarray
 
+    @functools.cached_property
+    def stage_part_runs(self) -> tuple:
+        """The memory events (:attr:`PipelineTemplate.stage_events`' order) cut into
+        runs of one stage and one part (``A``, ``Q``, ``Z`` come in program order
+        within a stage): ``(run starts [K], each run's stage position [K], its
+        part [K], where each stage's runs start among them [stages], and (first,
+        last) [stages] event of each stage's ``Q``, -1 if none)``."""
+        _, event_stage = self.template.stage_events
+        stages, _, _ = self.template.stage_runs
+        position = np.searchsorted(stages, event_stage)
+        key = position * 3 + self.event_part
+        runs = np.flatnonzero(np.diff(key, prepend=-1) != 0)
+        in_period = np.flatnonzero(self.event_part == 1)
+        first = np.full(len(stages), -1)
+        last = np.full(len(stages), -1)
+        first[position[in_period[::-1]]] = in_period[::-1]  # the last write wins: the first event
+        last[position[in_period]] = in_period
+        run_stage = position[runs]
+        stage_runs = np.flatnonzero(np.diff(run_stage, prepend=-1) != 0)
+        return runs, run_stage, self.event_part[runs], stage_runs, (first, last)
+
 
 def _microbatch_period(schedule: str, pipeline: int) -> int:
     return pipeline if schedule == "interleaved" else 1
