@@ -301,9 +301,7 @@ class _Rows:
 
     def fill(self, ids: np.ndarray, out: dict) -> None:
         """Writes configurations ``ids``' memory tables and devices into rows ``0..len(ids)-1`` of ``out``."""
-        keys = self.key[ids]
-        for k in np.unique(keys):
-            rows = np.flatnonzero(keys == k)
+        for k, rows in _by_key(self.key[ids]):
             tables, _ = self.tables[k]
             variants = self.variant[ids[rows]]
             p, last, (device, tp_link, dp_link) = self.layout[k]
@@ -319,11 +317,16 @@ class _Rows:
     def cost_features(self, ids: np.ndarray, cost_rows: np.ndarray) -> np.ndarray:
         """``[len(ids), F]``: configuration ``ids[i]``'s cost-table row ``cost_rows[i]``."""
         out = np.empty((len(ids), len(COST_FEATURES)))
-        keys = self.key[ids]
-        for k in np.unique(keys):
-            rows = np.flatnonzero(keys == k)
+        for k, rows in _by_key(self.key[ids]):
             out[rows] = self.tables[k][0].cost[self.variant[ids[rows]], cost_rows[rows]]
         return out
+
+
+def _by_key(keys: np.ndarray):
+    """``(key, positions)`` for each distinct key (one sort, not a scan per key)."""
+    order = np.argsort(keys, kind="stable")
+    distinct, first = np.unique(keys[order], return_index=True)
+    return zip(distinct, np.split(order, first[1:]), strict=True)
 
 
 def _empty_rows(num_rows: int) -> dict:
