@@ -274,9 +274,11 @@ def layer_parts(num_layers: int) -> tuple[int, ...]:
     return tuple(parts)
 
 
-@functools.lru_cache(maxsize=256)
-def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer=False) -> LayerFeatures:
-    from distir_jax.transforms.recompute import recompute as recompute_transform
+@functools.lru_cache(maxsize=64)
+def _parallel_step(model, tensor: int, sizes: tuple, optimizer: str):
+    """The measured model's training step under tensor parallelism (shared by the
+    recompute policies, which are applied after it), how many layers make a
+    block, and the bytes of a message and of a microbatch's data per sample."""
     from distir_jax.transforms.tensor_parallel import tensor_parallel
 
     batch = np.asarray(sizes, np.int64) if len(sizes) > 1 else sizes[0]
@@ -290,26 +292,36 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
             )
         three = dataclasses.replace(model, num_layers=3 * per_block)
         fn = mlp_training_step(three, batch, optimizer=optimizer)
+        per_sample = model.hidden * DTYPE_BYTES[model.dtype]
+        message, data = per_sample, per_sample  # activations; inputs x and targets [b, hidden]
+    else:
+        per_block = 1
+        fn = transformer_training_step(dataclasses.replace(model, num_layers=1), batch, optimizer=optimizer)
+        message = model.seq_len * model.hidden * DTYPE_BYTES[model.dtype]
+        data = model.seq_len * DTYPE_BYTES["i32"]  # token ids (labels are as large)
+    if tensor > 1:
+        fn = tensor_parallel(fn, tensor, representative_only=True).function
+    return fn, per_block, message, data
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer=False) -> LayerFeatures:
+    from distir_jax.transforms.recompute import recompute as recompute_transform
+
+    fn, per_block, message, data = _parallel_step(model, tensor, sizes, optimizer)
+    if isinstance(model, MLPConfig):
 
         def part_of(layer):  # blocks: the first (embedding part), a middle one, the last with the loss
             if per_layer:  # layers 1..6, the loss with the last
                 return min(layer - 1, 3 * per_block - 1)
             return min((layer - 1) // per_block, 2)
 
-        per_sample = model.hidden * DTYPE_BYTES[model.dtype]
-        message, data = per_sample, per_sample  # activations; inputs x and targets [b, hidden]
     else:
-        per_block = 1
-        fn = transformer_training_step(dataclasses.replace(model, num_layers=1), batch, optimizer=optimizer)
 
         def part_of(layer):  # layer 0: embedding, 1: the block, 2: final LayerNorm, head and loss
             return layer
 
-        message = model.seq_len * model.hidden * DTYPE_BYTES[model.dtype]
-        data = model.seq_len * DTYPE_BYTES["i32"]  # token ids (labels are as large)
     num_parts = 6 if per_layer else 3
-    if tensor > 1:
-        fn = tensor_parallel(fn, tensor, representative_only=True).function
     fn = recompute_transform(fn, policy).function
     s = len(sizes)
 
