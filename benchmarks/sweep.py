@@ -11,6 +11,10 @@ would: per configuration, build the model, parallelize it in full (every
 replica, not one representative) and run the reference simulator. The loop is
 timed on a random sample of valid configurations and extrapolated to all of
 them (invalid ones cost the loop nothing: it skips them after validation).
+This VM's speed drifts by tens of percent over tens of seconds, so the fast
+sweep runs three times, each cold (the first in this process, the others in
+fresh processes), with the loop's samples timed in batches between them; the
+speedup is the median sweep against the mean loop.
 
 Part (b), GPT-3 175B configurations per second: see
 :func:`gpt3_configs_per_second` (in sweep_gpt3.py).
@@ -27,6 +31,7 @@ import argparse
 import datetime
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -61,22 +66,45 @@ def time_sweep(space: StrategySpace, engine: str = "fast") -> tuple[float, objec
     return time.perf_counter() - start, table
 
 
-def time_loop(configs, samples: int, seed: int = 0) -> tuple[float, int]:
-    """Mean seconds per configuration of the build-and-reference loop, over a random sample."""
+def loop_sample(configs, samples: int, seed: int = 0) -> list:
+    """The random valid configurations the loop is timed on."""
     rng = np.random.default_rng(seed)
     picked = rng.choice(len(configs), size=min(samples, len(configs)), replace=False)
+    return [configs[i] for i in picked]
+
+
+def time_loop(configs) -> list[float]:
+    """Seconds of the build-and-reference loop for each configuration."""
     seconds = []
-    for i in picked:
-        config = configs[i]
+    for config in configs:
         start = time.perf_counter()
         fn = build_function(config, config.global_batch_size, representative_only=False)
         reference_simulate(fn, config.topology())
         seconds.append(time.perf_counter() - start)
-    return float(np.mean(seconds)), len(picked)
+    return seconds
 
 
-def part_a(quick: bool, loop_samples: int) -> float:
-    """The MLP grid: sweep vs loop; returns ``sweep_speedup_vs_loop``."""
+def cold_sweep_seconds(models) -> float:
+    """Seconds of one more sweep of the grid, in a fresh Python process (so nothing
+    the earlier sweeps built or compiled is warm), timed like :func:`time_sweep`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys; sys.path.insert(0, {here!r}); import jax; jax.devices(); "
+        f"from sweep import mlp_grid, time_sweep; print(time_sweep(mlp_grid({tuple(models)!r}))[0])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return float(done.stdout.split()[-1])
+
+
+def part_a(quick: bool, loop_samples: int, repeats: int) -> float:
+    """The MLP grid: sweep vs loop; returns ``sweep_speedup_vs_loop``.
+
+    This VM's speed drifts by tens of percent over tens of seconds, so the
+    sweep is timed ``repeats`` times, each cold (the first in this process,
+    the others in fresh ones), with the loop's samples split into as many
+    batches between them: the median sweep over the mean loop, measured
+    over the same stretch of time.
+    """
     models = ("mlp-xs",) if quick else GRID_MODELS
     space = mlp_grid(models)
     sweep_s, table = time_sweep(space)  # first: its time includes compiling the kernel
@@ -94,19 +122,28 @@ def part_a(quick: bool, loop_samples: int) -> float:
         f"{int((status == 'invalid').sum())} invalid)"
     )
     print(
-        f"  sweep, fast engine  (enumerate + build + simulate + table, compile included): {sweep_s:8.2f} s "
-        f"= {len(table) / sweep_s:8.1f} configurations/s ({engines['fast']} rows fast, "
-        f"{engines['exact']} exact)"
-    )
-    print(
         f"  sweep, exact engine (enumerate + build + lower + simulate + table):           {exact_s:8.2f} s "
         f"= {len(table) / exact_s:8.1f} configurations/s; same step times and peaks: {same}"
     )
-    per_config, sampled = time_loop(simulated, loop_samples)
+    sample = loop_sample(simulated, loop_samples)
+    sweeps, loop = [sweep_s], []
+    for i, batch in enumerate(np.array_split(np.arange(len(sample)), repeats)):
+        loop += time_loop([sample[j] for j in batch])
+        if i + 1 < repeats:
+            sweeps.append(cold_sweep_seconds(models))
+    sweep_s = float(np.median(sweeps))
+    print(
+        f"  sweep, fast engine  (enumerate + build + simulate + table, compile included): {sweep_s:8.2f} s "
+        f"= {len(table) / sweep_s:8.1f} configurations/s ({engines['fast']} rows fast, "
+        f"{engines['exact']} exact); median of {len(sweeps)} cold runs: "
+        + ", ".join(f"{x:.2f}" for x in sweeps)
+        + " s"
+    )
+    per_config = float(np.mean(loop))
     loop_s = per_config * len(simulated)
     print(
         f"  loop   (build full program + reference simulator): {per_config:.4f} s/configuration, "
-        f"timed on {sampled} random valid configurations and extrapolated x {len(simulated)} valid "
+        f"timed on {len(loop)} random valid configurations and extrapolated x {len(simulated)} valid "
         f"= {loop_s:8.2f} s"
     )
     speedup = loop_s / sweep_s
@@ -142,15 +179,24 @@ def main() -> None:
         default=None,
         help="configurations the loop is timed on (default: 30, or 10 with --quick)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="cold fast-engine sweeps in part (a), the loop timed between them (default 3; 1 with --quick)",
+    )
     args = parser.parse_args()
     samples = args.loop_samples or (10 if args.quick else 30)
+    repeats = args.repeats or (1 if args.quick else 3)
+    if samples < 1 or repeats < 1 or repeats > samples:
+        raise SystemExit(f"need 1 <= --repeats <= --loop-samples, got {repeats} and {samples}")
     print(
         f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()} "
         f"cpus={os.cpu_count()} jax {jax.__version__} backend={jax.default_backend()} "
         f"devices={len(jax.devices())}",
         flush=True,
     )
-    speedup = part_a(args.quick, samples)
+    speedup = part_a(args.quick, samples, repeats)
     configs_per_s = gpt3_configs_per_second(args.quick)
     print(f"sweep_speedup_vs_loop={speedup:.2f} gpt3_configs_per_s={configs_per_s:.4g}")
 
