@@ -506,20 +506,20 @@ def _steady(key: tuple):
     return steady_template(*key, short_microbatches=candidates)
 
 
-def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
+def simulate_configs(
+    model, topology, configs: list[Config], *, fit_only: bool = False, steady: bool = True
+) -> dict:
+    """Simulates ``configs`` (of :func:`enumerate_space`'s kind, any model and
+    cluster); float64 (``jax.enable_x64``) is the caller's.
+
+    Returns:
+      A dict of per configuration ``step_time``, ``peak`` (largest stage
+      peak, bytes) and ``status``; ``phases`` (seconds each); ``templates``,
+      ``ops`` (simulated), ``simulated`` timelines, ``steady`` (of them from a
+      short template), ``uncertified`` (redone long) and ``calls``.
+    """
     begin = time.perf_counter()
     phases = {}
-    topology = get_preset(PRESET)
-    model = get_model_config(MODEL, dtype="bf16")
-    everything = enumerate_space(model, topology.num_devices, GLOBAL_BATCH)
-    configs = _subsample(everything, 8) if quick else everything
-    if verbose:
-        keys = len({c.structural_key for c in everything})
-        print(
-            f"GPT-3 175B on {PRESET}: {len(everything)} configurations, {keys} structural keys; "
-            f"evaluating {len(configs)}",
-            flush=True,
-        )
     # The kernel's shapes are fixed: it compiles (in the background) while the host builds tables.
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     kernel = _Kernel()
@@ -587,6 +587,35 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
         simulated_ops += sum(size(i) for i in redo)
         simulate_ids(redo)
         phases["uncertified, long"] = time.perf_counter() - tick
+    return dict(
+        step_time=step_time,
+        peak=peak,
+        status=status,
+        phases=phases,
+        templates=len(set(template_of)),
+        ops=int(simulated_ops),
+        simulated=len(todo),
+        steady=steady_rows,
+        uncertified=len(redo),
+        calls=num_calls,
+    )
+
+
+def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
+    begin = time.perf_counter()
+    topology = get_preset(PRESET)
+    model = get_model_config(MODEL, dtype="bf16")
+    everything = enumerate_space(model, topology.num_devices, GLOBAL_BATCH)
+    configs = _subsample(everything, 8) if quick else everything
+    if verbose:
+        keys = len({c.structural_key for c in everything})
+        print(
+            f"GPT-3 175B on {PRESET}: {len(everything)} configurations, {keys} structural keys; "
+            f"evaluating {len(configs)}",
+            flush=True,
+        )
+    r = simulate_configs(model, topology, configs, fit_only=fit_only, steady=steady)
+    step_time, peak, status = r["step_time"], r["peak"], r["status"]
     total = time.perf_counter() - begin
     fit = status == STATUS_OK
     best = int(np.argmin(np.where(fit, step_time, np.inf))) if fit.any() else None
@@ -594,15 +623,15 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
         configs=len(configs),
         space_configs=len(everything),
         structural_keys=len({c.structural_key for c in configs}),
-        templates=len(set(template_of)),
-        ops=int(simulated_ops),
-        simulated=len(todo),
-        steady=steady_rows,
-        uncertified=len(redo),
+        templates=r["templates"],
+        ops=r["ops"],
+        simulated=r["simulated"],
+        steady=r["steady"],
+        uncertified=r["uncertified"],
         fit=int(fit.sum()),
         seconds=total,
         configs_per_second=len(configs) / total,
-        calls=num_calls,
+        calls=r["calls"],
         best=None
         if best is None
         else dict(
@@ -611,7 +640,7 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
             peak_memory_gb=float(peak[best]) / 1e9,
             samples_per_s=GLOBAL_BATCH / float(step_time[best]),
         ),
-        phases=phases,
+        phases=r["phases"],
         step_time=step_time,
         peak=peak,
         status=status,
