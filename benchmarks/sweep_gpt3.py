@@ -185,9 +185,9 @@ def _template_arrays(template, steady=None) -> dict:
     stage, kind = template.stage, template.link_kind
     # An op's duration depends on its cost row and on the devices and link it
     # runs on (per configuration): one seconds column per distinct combination.
-    span = _MAX_STAGES + 1
-    combination = ((cost_row.astype(np.int64) * span + stage[:, 0] + 1) * span + stage[:, 1] + 1) * 4 + kind
-    _, first, column = np.unique(combination, return_index=True, return_inverse=True)
+    first, column = _columns(cost_row, stage)
+    if np.any(kind[first][column] != kind):
+        raise ValueError("ops of one cost row and stages run on different link kinds")
     if len(first) >= _SECONDS_COLUMNS:
         raise ValueError(f"template has {len(first)} seconds columns, the kernel {_SECONDS_COLUMNS - 1}")
     resource = np.stack(
@@ -209,6 +209,27 @@ def _template_arrays(template, steady=None) -> dict:
         out["period_before"][: len(steady.before)] = steady.before
         out["period_after"][: len(steady.after)] = steady.after
     return out
+
+
+_SCRATCH = []  # one int32 per (cost row, stage, stage): a template's first op of each
+
+
+def _columns(cost_row: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each op's seconds column: ``(first op of each column, column of each op)``,
+    columns numbered in order of first use (one per distinct cost row and stages).
+
+    A dense table instead of sorting (``np.unique``): it needs no reset, since
+    every entry read was written for this template just before."""
+    span = _MAX_STAGES + 1
+    if not _SCRATCH:
+        _SCRATCH.append(np.empty(_COST_ROWS * span * span, np.int32))
+    table = _SCRATCH[0]
+    combination = (cost_row.astype(np.intp) * span + stage[:, 0] + 1) * span + stage[:, 1] + 1
+    n = len(combination)
+    table[combination[::-1]] = np.arange(n - 1, -1, -1, dtype=np.int32)  # the last write wins: the first op
+    first_op = table[combination]
+    is_first = first_op == np.arange(n)
+    return np.flatnonzero(is_first), (np.cumsum(is_first) - 1)[first_op]
 
 
 def _padding(count: int) -> np.ndarray:
