@@ -245,11 +245,13 @@ def _end_call(state, before, after, periods):
 
 
 class _Kernel:
-    """The compiled call, one shape for the whole sweep (compiled in a background thread
-    from the start: XLA releases the GIL, so the host meanwhile builds tables)."""
+    """The compiled call, one shape for the whole sweep, compiled and then issued
+    in a background thread (XLA releases the GIL, so the host meanwhile builds
+    tables; and issuing a step whose input is still being computed waits, ~3 ms
+    a step on a 2-core CPU, which the main thread then does not)."""
 
     def __init__(self):
-        self.future = _COMPILER.submit(self._compile)
+        self.future = _WORKER.submit(self._compile)
 
     @staticmethod
     def _compile():
@@ -268,16 +270,22 @@ class _Kernel:
                 jax.jit(_end_call).lower(state, period, period, periods).compile(),
             )
 
-    def __call__(self, seconds, slices, before, after, periods):
-        """Issues one call (asynchronously); ``slices`` yields its groups' slices of ops."""
+    def __call__(self, seconds, slices, before, after, periods) -> concurrent.futures.Future:
+        """Issues one call in the background (after the earlier ones); ``slices``
+        yields its groups' slices of ops. The future's result is the call's
+        ``(step times, certified)`` on the host."""
+        return _WORKER.submit(self._issue, seconds, slices, before, after, periods)
+
+    def _issue(self, seconds, slices, before, after, periods):
         begin, advance, end = self.future.result()
-        state, seconds = begin(), jax.device_put(seconds)
-        for ops in slices:
-            state = advance(state, jax.device_put(ops), seconds)
-        return end(state, before, after, periods)
+        with jax.enable_x64(True):  # a `with` does not reach other threads
+            state, seconds = begin(), jax.device_put(seconds)
+            for ops in slices:
+                state = advance(state, jax.device_put(ops), seconds)
+            return jax.device_get(end(state, before, after, periods))
 
 
-_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-compile")
+_WORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-kernel")
 
 
 def _subsample(configs: list, every: int) -> list:
@@ -405,6 +413,13 @@ def _seconds(rows: _Rows, groups: list, out: dict, units: list[dict], hw_rows) -
     return seconds
 
 
+def _slices(ops: list[np.ndarray], pad: np.ndarray):
+    """Yields a call's ``[G, _OP_CHUNK, 5]`` slices of ops from its groups' ``[chunks,
+    _OP_CHUNK, 5]`` ops (``pad`` past a group's end); it runs in the kernel's thread."""
+    for j in range(max(len(x) for x in ops)):
+        yield np.stack([x[j] if j < len(x) else pad for x in ops])
+
+
 def _groups(ids, template_of, size_of) -> list[list[tuple]]:
     """Kernel calls, each a list of ``(template, configuration ids)`` groups: a
     template's configurations in groups of at most ``_ROWS_PER_GROUP``, groups
@@ -472,10 +487,7 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, peri
             continue
         seconds = _seconds(rows, groups, out, [a["units"] for a in arrays], hw_rows)
         arrays += [arrays[0]] * (g - len(arrays))  # spare groups
-        slices = (
-            np.stack([a["ops"][j] if j < len(a["ops"]) else pad for a in arrays])
-            for j in range(max(len(a["ops"]) for a in arrays))
-        )
+        slices = _slices([a["ops"] for a in arrays], pad)
         before, after = (
             np.repeat(np.stack([a[name] for a in arrays]), b, axis=0)
             for name in ("period_before", "period_after")
@@ -590,7 +602,7 @@ def simulate_configs(
         calls = _groups(ids, template_of, {i: size(i) for i in ids})
         redo = set()
         for members, stage_peak, device, real, result in _run(calls, rows, kernel, hardware, short, periods):
-            times, certified = (x[real] for x in jax.device_get(result))
+            times, certified = (x[real] for x in result.result())
             capacity = np.where(device >= 0, device_capacity[np.maximum(device, 0)], np.inf)
             step_time[members] = times
             status[members] = status_codes(times, stage_peak.T, capacity.T, xp=np)
