@@ -437,11 +437,33 @@ def _groups(ids, template_of, size_of) -> list[list[tuple]]:
     return [groups[j : j + _GROUPS_PER_CALL] for j in range(0, len(groups), _GROUPS_PER_CALL)]
 
 
+def _stage_peaks(arrays: list[dict], groups: list, out: dict, ids: np.ndarray, periods) -> np.ndarray:
+    """``[G * Bg, _MAX_STAGES]`` each configuration's peak bytes per stage: the
+    product's rule, per template (spare rows stay zero)."""
+    b = _ROWS_PER_GROUP
+    stage_peak = np.zeros((len(ids), _MAX_STAGES))
+    for i, (a, (_, members)) in enumerate(zip(arrays, groups, strict=True)):
+        at = slice(i * b, i * b + len(members))
+        stage_peak[at] = stage_peak_memory(
+            a["template"],
+            out["alloc"][at],
+            out["free"][at],
+            out["resident"][at],
+            a["steady"],
+            extra_periods=periods[ids[at]],
+            table_rows=a["memory_row"],
+        )
+    return stage_peak
+
+
+_PEAKS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-peaks")
+
+
 def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, periods):
     """Builds templates on first use, fills every call and issues it; returns
     ``[(ids, stage peaks, devices, rows, result)]`` per call (``rows``: where
-    ``ids`` are among the call's rows, which ``result`` has all of; no result
-    without a ``kernel``: peaks only).
+    ``ids`` are among the call's rows, which the futures ``stage peaks`` and
+    ``result`` have all of; no result without a ``kernel``: peaks only).
 
     Calls run asynchronously, so building the next templates, slices and peaks
     on the host overlaps the kernel running the previous ones. ``short`` maps
@@ -467,23 +489,13 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, peri
         arrays = [templates[key] for key, _ in groups]
         out = _empty_rows(len(ids))
         rows.fill(ids, out)
-        stage_peak = np.zeros((len(ids), _MAX_STAGES))
-        for i, (a, (_, members)) in enumerate(zip(arrays, groups, strict=True)):
-            # Peak memory needs no timeline: the product's rule, per template.
-            at = slice(i * b, i * b + len(members))
-            stage_peak[at] = stage_peak_memory(
-                a["template"],
-                out["alloc"][at],
-                out["free"][at],
-                out["resident"][at],
-                a["steady"],
-                extra_periods=periods[ids[at]],
-                table_rows=a["memory_row"],
-            )
+        # Peak memory needs no timeline; numpy releases the GIL over these long arrays,
+        # so a worker thread computes it while this one builds the next templates.
+        stage_peak = _PEAKS.submit(_stage_peaks, list(arrays), groups, out, ids, periods)
         # Results leave out the spare rows (they repeat a configuration).
         real = np.concatenate([i * b + np.arange(len(members)) for i, (_, members) in enumerate(groups)])
         if kernel is None:
-            issued.append((ids[real], stage_peak[real], out["device"][real], real, None))
+            issued.append((ids[real], stage_peak, out["device"][real], real, None))
             continue
         seconds = _seconds(rows, groups, out, [a["units"] for a in arrays], hw_rows)
         arrays += [arrays[0]] * (g - len(arrays))  # spare groups
@@ -493,7 +505,7 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, peri
             for name in ("period_before", "period_after")
         )
         result = kernel(seconds, slices, before, after, periods[ids])
-        issued.append((ids[real], stage_peak[real], out["device"][real], real, result))
+        issued.append((ids[real], stage_peak, out["device"][real], real, result))
     return issued
 
 
@@ -589,7 +601,8 @@ def simulate_configs(
     todo = list(range(len(configs)))
     if fit_only:
         calls = _groups(todo, template_of, {i: size(i) for i in todo})
-        for ids, stage_peak, device, _, _ in _run(calls, rows, None, hardware, short, periods):
+        for ids, stage_peak, device, real, _ in _run(calls, rows, None, hardware, short, periods):
+            stage_peak = stage_peak.result()[real]
             peak[ids] = stage_peak.max(axis=1)
             fits = np.all((stage_peak <= device_capacity[np.maximum(device, 0)]) | (device < 0), axis=1)
             status[ids[~fits]] = STATUS_OUT_OF_MEMORY
@@ -603,6 +616,7 @@ def simulate_configs(
         redo = set()
         for members, stage_peak, device, real, result in _run(calls, rows, kernel, hardware, short, periods):
             times, certified = (x[real] for x in result.result())
+            stage_peak = stage_peak.result()[real]
             capacity = np.where(device >= 0, device_capacity[np.maximum(device, 0)], np.inf)
             step_time[members] = times
             status[members] = status_codes(times, stage_peak.T, capacity.T, xp=np)
