@@ -13,12 +13,17 @@ batched kernel.
 End to end means: enumerate the space, measure one fine transformer block per
 (tensor degree, recompute policy), build one program template per structural
 key, fill every configuration's tables, then simulate in batched kernel
-calls. One compiled kernel serves every call: it runs 128 rows (configurations
-of similar program length) ``_OP_CHUNK`` ops at a time, carrying the timeline
-from slice to slice (:func:`distir_jax.kernel.run_ops`), and expands each
-row's ops from its template inside the jitted call. It compiles in a
-background thread while the host builds tables. Peak memory needs no
-timeline: the host computes it per template, vectorized over its rows.
+calls. The kernel is :mod:`distir_jax.grouped_timeline`: a call holds 64
+groups of 16 configurations, each group one template (its configurations
+differ in op durations only), and runs them ``_OP_CHUNK`` ops at a time,
+carrying the timeline from slice to slice, so one compiled kernel serves every
+call. Each step reads and writes a group's clocks at one index, which on a CPU
+costs ~15-20 ns per op and configuration (the general kernel's per-row
+gathers cost ~80-100). Op durations are computed once per call on the host,
+one column per distinct (cost row, stages, link) of a template. The kernel
+compiles, and its calls are issued, in a background thread while the host
+builds tables; peak memory needs no timeline: another thread computes it per
+template, vectorized over its rows.
 
     python benchmarks/sweep_gpt3.py            # the whole space
     python benchmarks/sweep_gpt3.py --quick    # a deterministic subsample, < 40 s
@@ -30,16 +35,16 @@ The space has 10,458 configurations (1,306 structural keys): the tensor degree
 must divide the 96 heads (t <= 32), interleaving needs the microbatch count to
 be a multiple of p, and p = 64 (which does not divide 96 layers) gets uneven
 stages and no interleaving. A program has ``~4 k v p`` ops, up to ~4e5 for
-1024 microbatches of one sample, ~1.1e8 in all. A long pipeline is simulated
-as a short one (``p + 2`` microbatches for 1F1B, ``5p`` interleaved) whose
-steady period stands for the rest (:mod:`distir_jax.transforms.coarse_steady`),
-where that at least halves it: ~2.6e7 ops in all. The kernel runs in float64
-here, so the period's certificate (every resource's clock moves by the same
-amount) holds to ~1e-12; a row that fails it is simulated at full length.
-Where the time goes on a 2-core CPU (~10 s in all): the host measuring
-blocks and filling chunk tables (~2.5 s), steady templates (~1 s), then
-templates, tables and peak memory per call, overlapped with the kernel
-(~1.3e-7 s per op-row at 128 rows; calls are asynchronous).
+1024 microbatches of one sample, ~1.1e8 in all. Every long pipeline is
+simulated as a short one (``p + 2`` microbatches for 1F1B, ``4p`` interleaved)
+whose steady period stands for the rest (:mod:`distir_jax.transforms.coarse_steady`;
+short templates are shared by every longer ``k``): ~2.2e7 ops in all. The
+kernel runs in float64 here, so the period's certificate (every resource's
+clock moves by the same amount) holds to ~1e-12; a row that fails it is
+simulated at full length. Where the time goes on a 2-core CPU (~5 s in all,
+see ``benchmarks/RESULTS.md``): measuring blocks and filling chunk tables
+(~1.4 s), steady templates (~0.8 s), then templates, durations and peak
+memory per call (~2.5 s, the kernel's ~1 s overlapped).
 """
 
 from __future__ import annotations
