@@ -329,6 +329,17 @@ class _Rows:
         for c, i in zip(configs, key, strict=True):
             data.append(c.microbatches * self.tables[i][1][self.sizes[c.tensor].index(c.microbatch_size)])
         self.data = np.asarray(data)  # tokens (and labels) of every microbatch
+        # Every key's cost table in one flat array (each key's table a view of it):
+        # a call gathers all its configurations' rows at once.
+        shapes = [tables.cost.shape for tables, _ in self.tables]
+        self.cost = np.concatenate([tables.cost.reshape(-1, len(COST_FEATURES)) for tables, _ in self.tables])
+        self.cost_rows = np.asarray([shape[1] for shape in shapes])
+        self.cost_start = np.cumsum([0] + [shape[0] * shape[1] for shape in shapes])[:-1]
+        for i, ((tables, data_bytes), shape, start) in enumerate(
+            zip(self.tables, shapes, self.cost_start, strict=True)
+        ):
+            view = self.cost[start : start + shape[0] * shape[1]].reshape(shape)
+            self.tables[i] = (dataclasses.replace(tables, cost=view), data_bytes)
 
     def features(self, tensor: int, recompute: str):
         return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
@@ -350,10 +361,8 @@ class _Rows:
 
     def cost_features(self, ids: np.ndarray, cost_rows: np.ndarray) -> np.ndarray:
         """``[len(ids), F]``: configuration ``ids[i]``'s cost-table row ``cost_rows[i]``."""
-        out = np.empty((len(ids), len(COST_FEATURES)))
-        for k, rows in _by_key(self.key[ids]):
-            out[rows] = self.tables[k][0].cost[self.variant[ids[rows]], cost_rows[rows]]
-        return out
+        k = self.key[ids]
+        return self.cost[self.cost_start[k] + self.variant[ids] * self.cost_rows[k] + cost_rows]
 
 
 def _by_key(keys: np.ndarray):
@@ -379,21 +388,23 @@ def _seconds(rows: _Rows, groups: list, out: dict, units: list[dict], hw_rows) -
     ``units``) for each of its configurations (``out``: their filled rows, group by
     group, ``Bg`` per group); zeros elsewhere."""
     b = _ROWS_PER_GROUP
-    parts = []  # one entry per (configuration, its template's seconds column)
-    for i, ((_, members), unit) in enumerate(zip(groups, units, strict=True)):
-        m, u = len(members), len(unit["cost_row"])
-        parts.append(
-            dict(
-                group=np.full(m * u, i),
-                row=np.repeat(i * b + np.arange(m), u),
-                column=np.tile(np.arange(u), m),
-                config=np.repeat(members, u),
-                cost_row=np.tile(unit["cost_row"], m),
-                stage=np.tile(unit["stage"], (m, 1)),
-                kind=np.tile(unit["kind"], m),
-            )
-        )
-    e = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    # One entry per (configuration, its template's seconds column), group by group.
+    members = np.asarray([len(m) for _, m in groups])
+    width = np.asarray([len(u["cost_row"]) for u in units])
+    unit = {name: np.concatenate([u[name] for u in units]) for name in ("cost_row", "stage", "kind")}
+    group = np.repeat(np.arange(len(groups)), members * width)
+    at = np.arange(len(group)) - np.repeat(np.cumsum(members * width) - members * width, members * width)
+    member, column = at // width[group], at % width[group]
+    index = (np.cumsum(width) - width)[group] + column  # into ``unit``
+    e = dict(
+        group=group,
+        row=group * b + member,
+        column=column,
+        config=np.concatenate([m for _, m in groups])[(np.cumsum(members) - members)[group] + member],
+        cost_row=unit["cost_row"][index],
+        stage=unit["stage"][index],
+        kind=unit["kind"][index],
+    )
     row, first, second = e["row"], np.maximum(e["stage"][:, 0], 0), e["stage"][:, 1]
     sender = out["device"][row, first]
     send = np.stack([sender, np.where(second >= 0, out["device"][row, np.maximum(second, 0)], -1)], -1)
