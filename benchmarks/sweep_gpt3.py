@@ -311,24 +311,32 @@ class _Rows:
         self.sizes = {t: sorted(s) for t, s in sizes.items()}
         self.keys: dict[tuple, int] = {}
         self.tables: list = []
-        key, variant, data = [], [], []
+        key, used = [], []  # each key's microbatch sizes, in order of first use
         for c in configs:
             k = (c.tensor, c.recompute, c.pipeline, c.virtual_stages, c.data, c.zero, c.mode)
             key.append(self.keys.setdefault(k, len(self.keys)))
-            variant.append(self.sizes[c.tensor].index(c.microbatch_size))
-        self.key, self.variant = np.asarray(key), np.asarray(variant)
+            if key[-1] == len(used):
+                used.append({})
+            used[key[-1]].setdefault(c.microbatch_size, len(used[key[-1]]))
+        self.key = np.asarray(key)
+        # A key's tables hold the sizes its configurations use only (variant: position among them).
+        self.variant = np.asarray([used[i][c.microbatch_size] for c, i in zip(configs, key, strict=True)])
         self.layout = {}  # key -> (p, first-chunk stage, last-chunk stage, devices)
         for k, i in self.keys.items():
             t, rc, p, v, d, zero, mode = k
-            features = self.features(t, rc)
+            measured = self.features(t, rc)
+            features = measured.take_variants([self.sizes[t].index(b) for b in used[i]])
             tables = chunk_tables(
                 features, balanced_layers(features, p * v), p, 0, data=d, zero=zero, mode=mode
             )
             self.tables.append((tables, features.data_bytes))
             self.layout[i] = (p, (p * v - 1) % p, stage_devices(topology, p, t, d))
-        for c, i in zip(configs, key, strict=True):
-            data.append(c.microbatches * self.tables[i][1][self.sizes[c.tensor].index(c.microbatch_size)])
-        self.data = np.asarray(data)  # tokens (and labels) of every microbatch
+        self.data = np.asarray(  # tokens (and labels) of every microbatch
+            [
+                c.microbatches * self.tables[i][1][v]
+                for c, i, v in zip(configs, key, self.variant, strict=True)
+            ]
+        )
         # Every key's cost table in one flat array (each key's table a view of it):
         # a call gathers all its configurations' rows at once.
         shapes = [tables.cost.shape for tables, _ in self.tables]
