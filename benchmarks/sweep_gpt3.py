@@ -226,6 +226,10 @@ def _columns(cost_row: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, np.nd
     A dense table instead of sorting (``np.unique``): it needs no reset, since
     every entry read was written for this template just before."""
     span = _MAX_STAGES + 1
+    if len(cost_row) and not (
+        0 <= cost_row.min() and cost_row.max() < _COST_ROWS and stage.max() < _MAX_STAGES
+    ):
+        raise ValueError(f"ops need cost rows in [0, {_COST_ROWS}) and stages < {_MAX_STAGES}")
     if not _SCRATCH:
         _SCRATCH.append(np.empty(_COST_ROWS * span * span, np.int32))
     table = _SCRATCH[0]

@@ -37,8 +37,6 @@ import numpy as np
 
 __all__ = ["GroupedTimeline", "pack_ops", "padding_ops", "run_grouped", "start_grouped", "step_times"]
 
-FIELDS = ("resource_a", "resource_b", "dep_slot", "out_slot", "seconds_column")
-
 
 class GroupedTimeline(NamedTuple):
     """The carry of :func:`run_grouped`.
@@ -52,11 +50,11 @@ class GroupedTimeline(NamedTuple):
     finish: jax.Array
 
 
-def start_grouped(groups: int, resources: int, slots: int, rows: int, dtype=None, xp=jnp) -> GroupedTimeline:
+def start_grouped(groups: int, resources: int, slots: int, rows: int, dtype=None) -> GroupedTimeline:
     """Every clock and slot at zero: ``groups`` groups of ``rows`` rows."""
     dtype = dtype or jnp.result_type(float)
     return GroupedTimeline(
-        xp.zeros((groups, resources + 1, rows), dtype), xp.zeros((groups, slots + 2, rows), dtype)
+        jnp.zeros((groups, resources + 1, rows), dtype), jnp.zeros((groups, slots + 2, rows), dtype)
     )
 
 
@@ -73,7 +71,10 @@ def pack_ops(resource, dep_slot, out_slot, seconds_column, num_resources: int, n
     resource = np.asarray(resource)
     first, second = resource[:, 0], resource[:, 1]
     if len(first) and (first.min() < 0 or resource.max() >= num_resources):
-        raise ValueError(f"every op needs a first resource in [0, {num_resources}); got {first.min()}")
+        raise ValueError(
+            f"every op needs a first resource, and resources in [0, {num_resources}); got first "
+            f"resources from {first.min()}, resources up to {resource.max()}"
+        )
     for name, slot in (("dep_slot", dep_slot), ("out_slot", out_slot)):
         if np.size(slot) and np.max(slot) >= num_slots:
             raise ValueError(f"{name} {np.max(slot)} is past the timeline's {num_slots} slots")

@@ -114,7 +114,7 @@ def test_pack_ops_rejects_ops_without_a_first_resource_or_past_the_slots():
     ok = dict(dep_slot=np.array([-1]), out_slot=np.array([0]), seconds_column=np.array([0]))
     with pytest.raises(ValueError, match="first resource"):
         pack_ops(np.array([[-1, 2]]), **ok, num_resources=R, num_slots=S)
-    with pytest.raises(ValueError, match="first resource"):
+    with pytest.raises(ValueError, match=f"resources up to {R}"):
         pack_ops(np.array([[0, R]]), **ok, num_resources=R, num_slots=S)
     with pytest.raises(ValueError, match="out_slot 4 is past"):
         pack_ops(np.array([[0, -1]]), np.array([-1]), np.array([S]), np.array([0]), R, S)
