@@ -172,3 +172,38 @@ def test_an_unsettled_period_is_not_certified():
         claimed, certified = _extrapolate(steady, run)
     assert not certified.any()
     assert np.all(np.abs(claimed - want) > 1e-6 * want)  # and what it would claim is wrong
+
+
+def test_steady_needs_exactly_computed_estimated_times():
+    """Integer step costs with sums below 2**53 keep the issue order periodic; rounded sums do not."""
+    exact = np.array([[3.0, 6.0], [4.0, 8.0]])
+    assert coarse_steady._exact_times(exact, 1000)
+    assert not coarse_steady._exact_times(exact + 0.5, 1000)  # not integers
+    assert not coarse_steady._exact_times(exact * 2.0**45, 1000)  # sums past 2**53 round
+    assert steady_template(2, 64, 1, "1f1b", "none", step_costs=exact) is not None
+    assert steady_template(2, 64, 1, "1f1b", "none", step_costs=exact * 2.0**45) is None
+
+
+def test_rounded_estimated_times_break_the_period():
+    """Why: GPT-3 175B (t = 8, p = 8, v = 4, 256 microbatches) with the pipeline
+    transform's ``1 + flops`` costs repeats a block between the short template and
+    one period more, yet the long program is not that block repeated."""
+    from distir_jax.models import get_model_config
+
+    model = get_model_config("gpt3-175b", dtype="bf16")
+    features = layer_features(model, 8, "full", [4], get_preset("dgx-a100-80gb:8", dtype="bf16"))
+    p, k, v = 8, 256, 4
+    layers = coarse_program.transform_layers_per_chunk(features, p * v, [0])
+    costs = transform_step_costs(features, layers, [0])
+    assert not coarse_steady._exact_times(costs, k)
+    assert steady_template(p, k, v, "interleaved", "none", step_costs=costs) is None
+    hashable = tuple(map(tuple, np.asarray(costs, np.float64).tolist()))
+    short = coarse_steady._short(p, 5 * p, v, "interleaved", "none", hashable, None, None)
+    assert short is not None  # the two short templates alone do not tell
+    signature = _signature(short.template)
+    signature[:, -1] = _signature(pipeline_template(p, 5 * p, v, "interleaved", "none", costs))[:, -1]
+    begin, end = short.period
+    repeats = (k - 5 * p) // p
+    rebuilt = np.concatenate([signature[:end]] + [signature[begin:end]] * repeats + [signature[end:]])
+    long = _signature(pipeline_template(p, k, v, "interleaved", "none", costs))
+    assert rebuilt.shape == long.shape and not np.array_equal(rebuilt, long)

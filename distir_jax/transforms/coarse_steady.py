@@ -41,7 +41,12 @@ That the template for any larger ``k`` is the same with more copies is what
 tests check against full templates (and ``benchmarks/sweep_gpt3.py
 --check-steady`` on the whole GPT-3 space); it follows from the issue order
 being computed from estimated times, which are themselves max-plus and
-periodic once settled.
+periodic once settled. That holds while they are computed exactly: with the
+pipeline transform's step costs (``1 + flops``), sums past ``2**53`` round,
+ties between estimated times break differently from period to period, and the
+long order is not the short one repeated (GPT-3 175B does this), so
+:func:`steady_template` then declines (:func:`_exact_times`) and the long
+program is simulated.
 """
 
 from __future__ import annotations
@@ -232,6 +237,8 @@ def steady_template(
     p, k, v = int(pipeline), int(microbatches), int(virtual_stages)
     if schedule not in ("1f1b", "interleaved") or p < 2:
         return None
+    if step_costs is not None and not _exact_times(step_costs, k):
+        return None
     step = _microbatch_period(schedule, p)
     candidates = short_candidates(schedule, p) if short_microbatches is None else short_microbatches
     costs = None if step_costs is None else tuple(map(tuple, np.asarray(step_costs, np.float64).tolist()))
@@ -245,6 +252,18 @@ def steady_template(
         if found is not None:
             return dataclasses.replace(found, microbatches=k, extra_periods=(k - short_k) // step)
     return None
+
+
+def _exact_times(step_costs, microbatches: int) -> bool:
+    """Whether every estimated time of the long program is computed exactly: integer
+    step costs whose total over all microbatches stays below ``2**53`` (float64 sums
+    of such integers round nothing). The issue order then settles into its period
+    as it does with unit costs. With rounded sums, ties between estimated times can
+    break differently from one period to the next, and the long program's order is
+    not the short one's repeated (GPT-3 175B with the pipeline transform's
+    ``1 + flops`` costs: ~1e13 per step, thousands of steps per device)."""
+    costs = np.asarray(step_costs, np.float64)
+    return bool(np.all(costs == np.floor(costs))) and float(costs.sum()) * microbatches < 2.0**53
 
 
 @functools.lru_cache(maxsize=512)
