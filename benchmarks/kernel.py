@@ -8,7 +8,10 @@ seconds per configuration x B / kernel seconds).
 
 It then times the batch sweeps actually make: B programs of *different*
 structure (16 random programs, each repeated, padded to one capacity and
-stacked), where every configuration carries its own op-to-resource tables.
+stacked), where every configuration carries its own op-to-resource tables,
+and the grouped kernel (configurations sharing a structure in groups, as
+benchmark (b) of ``sweep.py`` runs them) against the general one on the
+same rows.
 
     python benchmarks/kernel.py            # the full grid
     python benchmarks/kernel.py --quick    # B=1024, N=2048, D=8 only (< 60 s)
@@ -94,6 +97,90 @@ def measure_mixed(batch: int, num_ops: int, num_devices: int, distinct: int = 16
     )
 
 
+def measure_grouped(groups: int, rows: int, num_ops: int, slice_ops: int = 512) -> dict:
+    """The grouped kernel (:mod:`distir_jax.grouped_timeline`, which benchmark (b)
+    of ``sweep.py`` runs) against the general kernel on the same ops: ``groups``
+    random structures of ``num_ops`` ops (two resources and one dependency at
+    most, as coarse pipeline programs), ``rows`` configurations each with their
+    own op durations; both run ``slice_ops`` ops per call, carrying the timeline."""
+    import types
+
+    import jax.numpy as jnp
+
+    from distir_jax.grouped_timeline import pack_ops, run_grouped, start_grouped
+    from distir_jax.kernel import OpCosts, run_ops, start_timeline
+
+    resources, slots, columns = 64, 64, 256
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, resources, (groups, num_ops))
+    second = np.where(rng.random((groups, num_ops)) < 0.5, rng.integers(0, resources, (groups, num_ops)), -1)
+    dep = np.where(rng.random((groups, num_ops)) < 0.2, rng.integers(0, slots, (groups, num_ops)), -1)
+    out = np.where(rng.random((groups, num_ops)) < 0.2, rng.integers(0, slots, (groups, num_ops)), -1)
+    column = rng.integers(0, columns - 1, (groups, num_ops))
+    seconds = rng.random((groups, columns, rows)).astype(np.float32)
+    ops = np.stack(
+        [
+            pack_ops(np.stack([first[g], second[g]], 1), dep[g], out[g], column[g], resources, slots)
+            for g in range(groups)
+        ]
+    )
+    grouped = jax.jit(run_grouped)
+
+    def run_grouped_calls():
+        state = start_grouped(groups, resources, slots, rows, jnp.float32)
+        for j in range(0, num_ops, slice_ops):
+            state = grouped(state, ops[:, j : j + slice_ops], seconds)
+        return state
+
+    # The same rows with a structure each: configurations last, as the general kernel has them.
+    b = groups * rows
+    each = lambda x: np.repeat(x, rows, axis=0)  # noqa: E731
+    structure = dict(
+        resource=each(np.stack([first, second], -1)),
+        dep_slot=each(dep)[..., None],
+        out_slot=each(out),
+    )
+    durations = np.take_along_axis(seconds, column[:, :, None], axis=1)  # [G, N, Bg]
+    durations = np.moveaxis(durations, 2, 1).reshape(b, num_ops).T  # [N, B]
+
+    @jax.jit
+    def general(state, resource, dep_slot, out_slot, cost):
+        program = types.SimpleNamespace(  # run_ops reads only these with precomputed costs
+            resource=resource,
+            dep_slot=dep_slot,
+            out_slot=out_slot,
+            resource_device=jnp.zeros(resources, jnp.int32),
+        )
+        return run_ops(state, program, None, precomputed=OpCosts(cost, cost))[0]
+
+    def run_general_calls():
+        state = start_timeline(resources, slots, b)
+        state = state._replace(clock=state.clock.astype(jnp.float32), finish=state.finish.astype(jnp.float32))
+        state = state._replace(busy=state.busy.astype(jnp.float32))
+        for j in range(0, num_ops, slice_ops):
+            at = slice(j, j + slice_ops)
+            fields = (structure[name][:, at] for name in ("resource", "dep_slot", "out_slot"))
+            state = general(state, *fields, durations[at])
+        return state
+
+    grouped_state, general_state = run_grouped_calls(), run_general_calls()  # compile, and agree
+    np.testing.assert_allclose(
+        np.asarray(grouped_state.clock[:, :-1]).transpose(0, 2, 1).reshape(b, resources),
+        np.asarray(general_state.clock).T,
+        rtol=1e-6,
+    )
+    grouped_s = best_time(run_grouped_calls, repeats=3)
+    general_s = best_time(run_general_calls, repeats=3)
+    return dict(
+        G=groups,
+        Bg=rows,
+        N=num_ops,
+        grouped_op_updates_per_s=b * num_ops / grouped_s,
+        general_op_updates_per_s=b * num_ops / general_s,
+        ratio=general_s / grouped_s,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,6 +216,14 @@ def main() -> None:
     print(
         f"different structure per configuration: B={mixed['B']} N={mixed['N']} D={mixed['D']}: "
         f"kernel {mixed['kernel_s']:.4f} s, {mixed['op_updates_per_s']:.3g} op updates/s",
+        flush=True,
+    )
+    g = measure_grouped(64, 16, 2048)
+    print(
+        f"grouped templates (distir_jax.grouped_timeline): {g['G']} groups x {g['Bg']} configurations, "
+        f"N={g['N']}: {g['grouped_op_updates_per_s']:.3g} op updates/s against the general kernel's "
+        f"{g['general_op_updates_per_s']:.3g} on the same rows (structure per configuration): "
+        f"{g['ratio']:.1f}x",
         flush=True,
     )
     target = next(r for r in rows if (r["B"], r["N"], r["D"]) == (1024, 2048, 8))
