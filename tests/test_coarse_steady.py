@@ -7,6 +7,7 @@ and per-stage peak memory that the short run extrapolates to.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -207,3 +208,26 @@ def test_rounded_estimated_times_break_the_period():
     rebuilt = np.concatenate([signature[:end]] + [signature[begin:end]] * repeats + [signature[end:]])
     long = _signature(pipeline_template(p, k, v, "interleaved", "none", costs))
     assert rebuilt.shape == long.shape and not np.array_equal(rebuilt, long)
+
+
+def test_steady_templates_with_step_costs_are_checked_against_the_long_one():
+    """GPT-3 175B with the transform's costs: rounded to integers (exact sums) the
+    short template repeats into the long one; as floats it does not, which the
+    check (``_repeats_into``) sees although the static checks pass."""
+    from distir_jax.models import get_model_config
+
+    model = get_model_config("gpt3-175b", dtype="bf16")
+    features = layer_features(model, 8, "full", [4], get_preset("dgx-a100-80gb:8", dtype="bf16"))
+    p, k, v = 8, 256, 4
+    layers = coarse_program.transform_layers_per_chunk(features, p * v, [0])
+    costs = transform_step_costs(features, layers, [0])
+    for step_costs, repeats in ((np.round(costs * (2.0**30 / costs.max())), True), (costs, False)):
+        hashable = tuple(map(tuple, np.asarray(step_costs, np.float64).tolist()))
+        short = coarse_steady._short(p, 5 * p, v, "interleaved", "none", hashable, None, None)
+        assert short is not None  # the static checks pass either way
+        short = dataclasses.replace(short, microbatches=k, extra_periods=(k - 5 * p) // p)
+        long = pipeline_template(p, k, v, "interleaved", "none", step_costs)
+        assert coarse_steady._repeats_into(short, long) == repeats
+    assert steady_template(
+        p, k, v, "interleaved", "none", step_costs=np.round(costs * (2.0**30 / costs.max()))
+    )

@@ -239,6 +239,10 @@ def steady_template(
         return None
     if step_costs is not None and not _exact_times(step_costs, k):
         return None
+    # With step costs (the pipeline transform's order) the long template is built
+    # and must be the short one repeated: the order's periodicity is tested for
+    # unit costs (and holds for GPT-3's costs rounded to integers), not proved.
+    verify = step_costs is not None
     step = _microbatch_period(schedule, p)
     candidates = short_candidates(schedule, p) if short_microbatches is None else short_microbatches
     costs = None if step_costs is None else tuple(map(tuple, np.asarray(step_costs, np.float64).tolist()))
@@ -249,9 +253,27 @@ def steady_template(
         if (k - short_k) % step:
             continue
         found = _short(p, int(short_k), v, schedule, mode, costs, segments, updates)
-        if found is not None:
-            return dataclasses.replace(found, microbatches=k, extra_periods=(k - short_k) // step)
+        if found is None:
+            continue
+        found = dataclasses.replace(found, microbatches=k, extra_periods=(k - short_k) // step)
+        if not verify or _repeats_into(
+            found, pipeline_template(p, k, v, schedule, mode, step_costs, segments, updates)
+        ):
+            return found
     return None
+
+
+def _repeats_into(steady: SteadyTemplate, long: PipelineTemplate) -> bool:
+    """Whether ``long`` is ``steady``'s short template with its period repeated."""
+    short = _signature(steady.template)
+    # The slots only the certificate reads are not part of the program (out_slot is the last column).
+    certificate = np.isin(short[:, -1], np.concatenate([steady.before, steady.after]))
+    short[certificate & (short[:, -1] >= 0), -1] = -1
+    begin, end = steady.period
+    return long.num_ops == len(short) + steady.extra_periods * (end - begin) and np.array_equal(
+        np.concatenate([short[:end]] + [short[begin:end]] * steady.extra_periods + [short[end:]]),
+        _signature(long),
+    )
 
 
 def _exact_times(step_costs, microbatches: int) -> bool:
