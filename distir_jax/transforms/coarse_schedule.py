@@ -31,7 +31,15 @@ import functools
 
 import numpy as np
 
-__all__ = ["check_step_costs", "estimated_times", "issue_order", "message_times", "schedule_arrays"]
+__all__ = [
+    "ORDER_RESOLUTION",
+    "check_step_costs",
+    "estimated_times",
+    "issue_order",
+    "message_times",
+    "order_costs",
+    "schedule_arrays",
+]
 
 
 def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
@@ -118,8 +126,29 @@ def _interleaved(s: int, p: int, k: int, v: int):
     return chunk, microbatch[index], backward
 
 
+# Step costs only order steps (by estimated start). They are rounded to integers
+# of at most 2**30 (scaled by the largest) so that every estimated time is an
+# exact float64 sum (up to 2**22 steps per device). The pipeline transform and a
+# coarse template, whose costs come from the same flops summed in different
+# orders, then order steps identically (a last-bit difference can break a tie
+# the other way: GPT-3 175B's interleaved programs did, 0.16% off in step
+# time), and a long pipeline's order repeats exactly (see coarse_steady).
+ORDER_RESOLUTION = 2.0**30
+
+
+def order_costs(step_costs) -> np.ndarray:
+    """``step_costs`` as the integers steps are ordered by (see ``ORDER_RESOLUTION``):
+    unchanged when they are integers of at most ``ORDER_RESOLUTION`` already
+    (unit costs, small models), else scaled so the largest is that, and rounded."""
+    costs = np.asarray(step_costs, np.float64)
+    if costs.size == 0 or (np.all(costs == np.floor(costs)) and costs.max() <= ORDER_RESOLUTION):
+        return costs
+    return np.maximum(np.round(costs * (ORDER_RESOLUTION / costs.max())), 1.0)
+
+
 def check_step_costs(step_costs, num_chunks: int) -> np.ndarray:
-    """``step_costs`` as a float64 ``[num_chunks, 2]`` array (each chunk's forward and backward).
+    """``step_costs`` as a float64 ``[num_chunks, 2]`` array of the integers steps are
+    ordered by (:func:`order_costs`; each chunk's forward and backward).
 
     Raises:
       ValueError: when it has another shape or a cost that is not positive.
@@ -130,7 +159,7 @@ def check_step_costs(step_costs, num_chunks: int) -> np.ndarray:
             f"step_costs must be [{num_chunks}, 2] positive numbers (per chunk: forward, backward), "
             f"got shape {step_costs.shape}"
         )
-    return step_costs
+    return order_costs(step_costs)
 
 
 def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):

@@ -62,6 +62,7 @@ from distir_jax.transforms.coarse_pipeline import (
     pipeline_template,
     template_size,
 )
+from distir_jax.transforms.coarse_schedule import order_costs
 
 __all__ = [
     "MIN_LONG_OPS",
@@ -284,7 +285,7 @@ def _exact_times(step_costs, microbatches: int) -> bool:
     break differently from one period to the next, and the long program's order is
     not the short one's repeated (GPT-3 175B with the pipeline transform's
     ``1 + flops`` costs: ~1e13 per step, thousands of steps per device)."""
-    costs = np.asarray(step_costs, np.float64)
+    costs = order_costs(step_costs)  # what the order is computed from
     return bool(np.all(costs == np.floor(costs))) and float(costs.sum()) * microbatches < 2.0**53
 
 
