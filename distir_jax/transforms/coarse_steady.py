@@ -41,12 +41,12 @@ That the template for any larger ``k`` is the same with more copies is what
 tests check against full templates (and ``benchmarks/sweep_gpt3.py
 --check-steady`` on the whole GPT-3 space); it follows from the issue order
 being computed from estimated times, which are themselves max-plus and
-periodic once settled. That holds while they are computed exactly: with the
-pipeline transform's step costs (``1 + flops``), sums past ``2**53`` round,
-ties between estimated times break differently from period to period, and the
-long order is not the short one repeated (GPT-3 175B does this), so
-:func:`steady_template` then declines (:func:`_exact_times`) and the long
-program is simulated.
+periodic once settled. That needs them computed exactly: steps are ordered by
+integer costs (:func:`~distir_jax.transforms.coarse_schedule.order_costs`), and
+with float ``1 + flops`` costs GPT-3 175B's long order was not the short one
+repeated (ties broke differently from period to period). A template built from
+step costs (the pipeline transform's order) is moreover checked op for op
+against the long template before it stands for it.
 """
 
 from __future__ import annotations
@@ -278,13 +278,12 @@ def _repeats_into(steady: SteadyTemplate, long: PipelineTemplate) -> bool:
 
 
 def _exact_times(step_costs, microbatches: int) -> bool:
-    """Whether every estimated time of the long program is computed exactly: integer
-    step costs whose total over all microbatches stays below ``2**53`` (float64 sums
-    of such integers round nothing). The issue order then settles into its period
-    as it does with unit costs. With rounded sums, ties between estimated times can
-    break differently from one period to the next, and the long program's order is
-    not the short one's repeated (GPT-3 175B with the pipeline transform's
-    ``1 + flops`` costs: ~1e13 per step, thousands of steps per device)."""
+    """Whether every estimated time of the long program is computed exactly: the
+    integer costs steps are ordered by (``order_costs``), summed over all
+    microbatches, stay below ``2**53`` (float64 sums of such integers round
+    nothing). With rounded sums, ties between estimated times can break
+    differently from one period to the next (float ``1 + flops`` costs did, for
+    GPT-3 175B)."""
     costs = order_costs(step_costs)  # what the order is computed from
     return bool(np.all(costs == np.floor(costs))) and float(costs.sum()) * microbatches < 2.0**53
 
