@@ -28,9 +28,12 @@ updates and all-gathers then run weight by weight
 
 A long 1F1B or interleaved pipeline is prepared as a short program whose
 steady period stands for the rest
-(:func:`~distir_jax.transforms.coarse.steady_pipeline_program`): host work
-and kernel time then stop growing with the microbatch count. Its kernel call
-extrapolates and certifies it (see :mod:`search.evaluate`).
+(:func:`~distir_jax.transforms.coarse.steady_pipeline_program`): kernel
+time then stops growing with the microbatch count. Its order comes from the
+pipeline transform's step costs, so its template is first checked op for op
+against the long template (built, not simulated; see
+:mod:`~distir_jax.transforms.coarse_steady`); its kernel call extrapolates and
+certifies it (see :mod:`search.evaluate`).
 
 Under tensor parallelism an MLP's blocks are (column, row) layer pairs. Where
 the pipeline transform's stages split a pair, the key is prepared from
