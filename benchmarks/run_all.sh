@@ -19,6 +19,6 @@ run() {  # name, command...
 { date -u; git rev-parse --short HEAD 2>/dev/null; uname -a; nproc; nvidia-smi -L 2>/dev/null; } | tee "$out/machine.txt"
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'backend', jax.default_backend(), jax.devices())" | tee -a "$out/machine.txt"
 run kernel python3 benchmarks/kernel.py
-run gpt3_large_calls python3 benchmarks/sweep_gpt3.py --rows-per-call 4096
+run gpt3_large_calls python3 benchmarks/sweep_gpt3.py --groups-per-call 256 --rows-per-group 16
 run sweep python3 benchmarks/sweep.py
 run main_job python3 -m distir_jax.cli sweep --output "$out/sweep.csv"
