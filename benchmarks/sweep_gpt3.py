@@ -75,7 +75,7 @@ from distir_jax.transforms.coarse import (
     stage_devices,
     template_size,
 )
-from distir_jax.transforms.coarse_program import stage_peak_memory
+from distir_jax.transforms.coarse_program import links_by_kind, stage_peak_memory
 from distir_jax.transforms.coarse_steady import extrapolate, short_candidates, steady_template
 
 MODEL = "gpt3-175b"
@@ -420,12 +420,7 @@ def _seconds(rows: _Rows, groups: list, out: dict, units: list[dict], hw_rows) -
     row, first, second = e["row"], np.maximum(e["stage"][:, 0], 0), e["stage"][:, 1]
     sender = out["device"][row, first]
     send = np.stack([sender, np.where(second >= 0, out["device"][row, np.maximum(second, 0)], -1)], -1)
-    k = e["kind"][:, None]
-    link = np.where(
-        k == 1,
-        out["tp_link"][row, first],
-        np.where(k == 2, send, np.where(k == 3, out["dp_link"][row, first], np.stack([sender, sender], -1))),
-    )
+    link = links_by_kind(e["kind"], send, out["tp_link"][row, first], out["dp_link"][row, first])
     features = rows.cost_features(e["config"], e["cost_row"])
     program = types.SimpleNamespace(
         resource=link[None],  # only its shape is read

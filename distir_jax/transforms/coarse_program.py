@@ -54,6 +54,7 @@ __all__ = [
     "balanced_layers",
     "chunk_tables",
     "coarse_pipeline_program",
+    "links_by_kind",
     "part_coefficients",
     "realize",
     "segment_plan",
@@ -744,16 +745,8 @@ def realize(
     stream = np.stack([template.stream, np.zeros_like(template.stream)], axis=1)
     resource = np.where(used, slot_device * streams + stream, NO_RESOURCE).astype(np.int32)
     first = np.maximum(stage[:, 0], 0)
-    links = np.stack(
-        [  # by template.link_kind: own device, TP group, send, DP group
-            np.stack([slot_device[:, 0], slot_device[:, 0]], axis=1),
-            tp_link[first],
-            slot_device,
-            dp_link[first],
-        ]
-    )
     link_kind = template.link_kind
-    link = links[link_kind, np.arange(len(link_kind))].astype(np.int32)
+    link = links_by_kind(link_kind, slot_device, tp_link[first], dp_link[first]).astype(np.int32)
     cost = tables.cost[:, cost_row]  # [S, N, F]
     alloc = tables.alloc[:, memory_row]  # [S, N, 2]
     free = tables.free[:, memory_row]
@@ -779,6 +772,17 @@ def realize(
         num_finish_slots=template.num_slots,
         **{name: cost[..., i] for i, name in enumerate(COST_FEATURES)},
     )
+
+
+def links_by_kind(link_kind, slot_device, tp_link, dp_link) -> np.ndarray:
+    """``[N, 2]`` the link each op is costed on, by its ``link_kind``
+    (:attr:`~distir_jax.transforms.coarse_pipeline.PipelineTemplate.link_kind`):
+    its own device's, its stage's tensor-parallel group's (``tp_link``, ``[N, 2]``),
+    a send's two devices (``slot_device``, ``[N, 2]``), or its stage's
+    data-parallel group's (``dp_link``, ``[N, 2]``)."""
+    own = np.stack([slot_device[:, 0], slot_device[:, 0]], axis=1)
+    links = np.stack([own, tp_link, slot_device, dp_link])
+    return links[np.asarray(link_kind), np.arange(len(link_kind))]
 
 
 def stage_peak_memory(
