@@ -60,10 +60,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distir_jax.cost import COST_FEATURES
+from distir_jax.cost import COST_FEATURES, op_seconds
 from distir_jax.grouped_timeline import pack_ops, padding_ops, run_grouped, start_grouped, step_times
 from distir_jax.hardware import Hardware
-from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, hardware_rows, op_costs, status_codes
+from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, hardware_rows, op_speeds, status_codes
 from distir_jax.models import get_model_config
 from distir_jax.presets import get_preset
 from distir_jax.transforms.coarse import (
@@ -204,7 +204,9 @@ def _template_arrays(template, steady=None) -> dict:
     ops = np.concatenate([ops, _padding(chunks * c - n)]).reshape(chunks, c, 5)
     # Memory per op (-1: the tables' last row, all zeros), for stage_peak_memory.
     memory_row = np.where(memory_row >= 0, memory_row, _MEMORY_ROWS - 1)
-    units = dict(cost_row=cost_row[first], stage=stage[first], kind=kind[first])
+    # Seconds columns as [cost row, stage, second stage, link kind], padded with cost row -1 (zero seconds).
+    units = np.full((_SECONDS_COLUMNS, 4), -1, np.int32)
+    units[: len(first)] = np.column_stack([cost_row[first], stage[first], kind[first]])
     out = dict(ops=ops, units=units, memory_row=memory_row, template=template, steady=steady)
     out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
@@ -279,16 +281,39 @@ class _Kernel:
                 jax.jit(_end_call).lower(state, period, period, periods).compile(),
             )
 
-    def __call__(self, seconds, slices, before, after, periods) -> concurrent.futures.Future:
-        """Issues one call in the background (after the earlier ones); ``slices``
-        yields its groups' slices of ops. The future's result is the call's
-        ``(step times, certified)`` on the host."""
-        return _WORKER.submit(self._issue, seconds, slices, before, after, periods)
+    def load(self, cost: np.ndarray, hw_rows) -> None:
+        """Puts every key's cost tables (``_Rows.cost``) and the hardware on the device, once."""
+        self.tables = _WORKER.submit(self._load, cost, hw_rows)
 
-    def _issue(self, seconds, slices, before, after, periods):
+    @staticmethod
+    def _load(cost, hw_rows):
+        with jax.enable_x64(True):
+            cost, hw_rows = jax.device_put((cost, hw_rows))
+            g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
+            shape = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+            durations = _durations.lower(
+                cost,
+                shape(g * b),
+                shape(g, _SECONDS_COLUMNS, 4),
+                shape(g * b, _MAX_STAGES),
+                shape(g * b, _MAX_STAGES, 2),
+                shape(g * b, _MAX_STAGES, 2),
+                hw_rows,
+            ).compile()
+            return cost, hw_rows, durations
+
+    def __call__(self, columns, slices, before, after, periods) -> concurrent.futures.Future:
+        """Issues one call in the background (after the earlier ones): its op durations
+        from ``columns`` (:func:`_call_seconds`' arguments after the loaded tables), then
+        its groups' slices of ops (``slices`` yields them). The future's result is the
+        call's ``(step times, certified)`` on the host."""
+        return _WORKER.submit(self._issue, columns, slices, before, after, periods)
+
+    def _issue(self, columns, slices, before, after, periods):
         begin, advance, end = self.future.result()
+        cost, hw_rows, durations = self.tables.result()
         with jax.enable_x64(True):  # a `with` does not reach other threads
-            state, seconds = begin(), jax.device_put(seconds)
+            state, seconds = begin(), durations(cost, *columns, hw_rows)
             for ops in slices:
                 state = advance(state, jax.device_put(ops), seconds)
             return jax.device_get(end(state, before, after, periods))
@@ -303,137 +328,126 @@ def _subsample(configs: list, every: int) -> list:
 
 
 class _Rows:
-    """Each configuration's small tables, from chunk tables cached per
-    (tensor, recompute, pipeline, interleaving, data, ZeRO, mode), written
-    into kernel-call rows a table at a time."""
+    """Each configuration's small tables, from chunk tables per (tensor, recompute,
+    pipeline, interleaving, data, ZeRO, mode) and microbatch size, kept flat so a
+    kernel call gathers all its rows at once."""
 
     def __init__(self, model, topology, configs):
-        self.model, self.topology, self.configs = model, topology, configs
+        self.model, self.topology = model, topology
         sizes: dict[int, set] = {}
         for c in configs:
             sizes.setdefault(c.tensor, set()).add(c.microbatch_size)
         self.sizes = {t: sorted(s) for t, s in sizes.items()}
-        self.keys: dict[tuple, int] = {}
-        self.tables: list = []
-        key, used = [], []  # each key's microbatch sizes, in order of first use
-        for c in configs:
-            k = (c.tensor, c.recompute, c.pipeline, c.virtual_stages, c.data, c.zero, c.mode)
-            key.append(self.keys.setdefault(k, len(self.keys)))
-            if key[-1] == len(used):
-                used.append({})
-            used[key[-1]].setdefault(c.microbatch_size, len(used[key[-1]]))
-        self.key = np.asarray(key)
-        # A key's tables hold the sizes its configurations use only (variant: position among them).
-        self.variant = np.asarray([used[i][c.microbatch_size] for c, i in zip(configs, key, strict=True)])
-        self.layout = {}  # key -> (p, first-chunk stage, last-chunk stage, devices)
-        for k, i in self.keys.items():
-            t, rc, p, v, d, zero, mode = k
-            measured = self.features(t, rc)
-            features = measured.take_variants([self.sizes[t].index(b) for b in used[i]])
-            tables = chunk_tables(
-                features, balanced_layers(features, p * v), p, 0, data=d, zero=zero, mode=mode
+        keys: dict[tuple, int] = {}
+        key = [
+            keys.setdefault(
+                (c.tensor, c.recompute, c.pipeline, c.virtual_stages, c.data, c.zero, c.mode), len(keys)
             )
-            self.tables.append((tables, features.data_bytes))
-            self.layout[i] = (p, (p * v - 1) % p, stage_devices(topology, p, t, d))
-        self.data = np.asarray(  # tokens (and labels) of every microbatch
-            [
-                c.microbatches * self.tables[i][1][v]
-                for c, i, v in zip(configs, key, self.variant, strict=True)
-            ]
+            for c in configs
+        ]
+        self.key = np.asarray(key)
+        # A key's tables hold its tensor degree's sizes (the variant: a configuration's among them).
+        self.variant = np.asarray([self.sizes[c.tensor].index(c.microbatch_size) for c in configs])
+        tables, data_bytes = [], []
+        self.device = np.full((len(keys), _MAX_STAGES), -1, np.int32)  # each key's stage devices and links
+        self.tp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
+        self.dp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
+        self.last = np.zeros(len(keys), np.intp)  # the last chunk's stage (it holds the labels)
+        for (t, rc, p, v, d, zero, mode), i in keys.items():
+            features = self.features(t, rc)
+            tables.append(
+                chunk_tables(features, balanced_layers(features, p * v), p, 0, data=d, zero=zero, mode=mode)
+            )
+            data_bytes.append(features.data_bytes)
+            device, tp_link, dp_link = stage_devices(topology, p, t, d)
+            self.device[i, :p], self.tp_link[i, :p], self.dp_link[i, :p] = device, tp_link, dp_link
+            self.last[i] = (p * v - 1) % p
+        # Tokens (and labels) of every microbatch of each configuration.
+        self.data = np.asarray([c.microbatches for c in configs]) * np.asarray(
+            [data_bytes[k][v] for k, v in zip(key, self.variant, strict=True)]
         )
-        # Every key's cost table in one flat array (each key's table a view of it):
-        # a call gathers all its configurations' rows at once.
-        shapes = [tables.cost.shape for tables, _ in self.tables]
-        self.cost = np.concatenate([tables.cost.reshape(-1, len(COST_FEATURES)) for tables, _ in self.tables])
-        self.cost_rows = np.asarray([shape[1] for shape in shapes])
-        self.cost_start = np.cumsum([0] + [shape[0] * shape[1] for shape in shapes])[:-1]
-        for i, ((tables, data_bytes), shape, start) in enumerate(
-            zip(self.tables, shapes, self.cost_start, strict=True)
-        ):
-            view = self.cost[start : start + shape[0] * shape[1]].reshape(shape)
-            self.tables[i] = (dataclasses.replace(tables, cost=view), data_bytes)
+        # Each key's tables flat, one after the other: a configuration's table ``x``
+        # starts at ``start[x][key] + variant * rows[x][key]``.
+        self.cost, self.cost_rows, self.cost_start = _flat([t.cost for t in tables])
+        self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables], pad=1)
+        self.free = _flat([t.free for t in tables], pad=1)[0]
+        self.resident, _, self.resident_start = _flat([_widen(t.resident, _MAX_STAGES) for t in tables])
 
     def features(self, tensor: int, recompute: str):
         return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
 
-    def fill(self, ids: np.ndarray, out: dict) -> None:
-        """Writes configurations ``ids``' memory tables and devices into rows ``0..len(ids)-1`` of ``out``."""
-        for k, rows in _by_key(self.key[ids]):
-            tables, _ = self.tables[k]
-            variants = self.variant[ids[rows]]
-            p, last, (device, tp_link, dp_link) = self.layout[k]
-            out["alloc"][rows, : tables.alloc.shape[1]] = tables.alloc[variants]
-            out["free"][rows, : tables.free.shape[1]] = tables.free[variants]
-            out["resident"][rows, :p] = tables.resident[variants]
-            out["resident"][rows, 0] += self.data[ids[rows]]
-            out["resident"][rows, last] += self.data[ids[rows]]
-            out["device"][rows, :p] = device
-            out["tp_link"][rows, :p] = tp_link
-            out["dp_link"][rows, :p] = dp_link
+    def rows(self, ids: np.ndarray) -> dict:
+        """Configurations ``ids``' memory tables, resident bytes and stage devices, one row each."""
+        k, v = self.key[ids], self.variant[ids]
+        memory_row = np.arange(_MEMORY_ROWS)
+        index = np.where(  # past a key's rows: the zero row at the end
+            memory_row < self.memory_rows[k][:, None],
+            (self.memory_start[k] + v * self.memory_rows[k])[:, None] + memory_row,
+            len(self.alloc) - 1,
+        )
+        resident = self.resident[self.resident_start[k] + v]
+        row = np.arange(len(ids))
+        resident[row, 0] += self.data[ids]
+        resident[row, self.last[k]] += self.data[ids]
+        return dict(
+            alloc=self.alloc[index],
+            free=self.free[index],
+            resident=resident,
+            device=self.device[k],
+            tp_link=self.tp_link[k],
+            dp_link=self.dp_link[k],
+        )
 
-    def cost_features(self, ids: np.ndarray, cost_rows: np.ndarray) -> np.ndarray:
-        """``[len(ids), F]``: configuration ``ids[i]``'s cost-table row ``cost_rows[i]``."""
+    def cost_base(self, ids: np.ndarray) -> np.ndarray:
+        """``[len(ids)]`` int32: where configuration ``ids[i]``'s cost table starts in ``self.cost``."""
         k = self.key[ids]
-        return self.cost[self.cost_start[k] + self.variant[ids] * self.cost_rows[k] + cost_rows]
+        return (self.cost_start[k] + self.variant[ids] * self.cost_rows[k]).astype(np.int32)
 
 
-def _by_key(keys: np.ndarray):
-    """``(key, positions)`` for each distinct key (one sort, not a scan per key)."""
-    order = np.argsort(keys, kind="stable")
-    distinct, first = np.unique(keys[order], return_index=True)
-    return zip(distinct, np.split(order, first[1:]), strict=True)
+def _flat(tables: list[np.ndarray], pad: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[S, M, ...]`` tables as one ``[sum S * M + pad, ...]`` array (``pad`` zero rows
+    after them), with each table's ``M`` and first row."""
+    rows = np.asarray([t.shape[1] for t in tables])
+    start = np.cumsum([0] + [t.shape[0] * t.shape[1] for t in tables])[:-1]
+    tail = tables[0].shape[2:]
+    flat = np.concatenate([t.reshape((-1,) + tail) for t in tables] + [np.zeros((pad,) + tail)])
+    return flat, rows, start
 
 
-def _empty_rows(num_rows: int) -> dict:
-    return dict(
-        alloc=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float64),
-        free=np.zeros((num_rows, _MEMORY_ROWS, 2), np.float64),
-        resident=np.zeros((num_rows, _MAX_STAGES), np.float64),
-        device=np.full((num_rows, _MAX_STAGES), -1, np.int32),
-        tp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
-        dp_link=np.zeros((num_rows, _MAX_STAGES, 2), np.int32),
-    )
+def _widen(table: np.ndarray, width: int) -> np.ndarray:
+    """``[S, p]`` as ``[S, 1, width]``, zeros past ``p``."""
+    out = np.zeros((table.shape[0], 1, width))
+    out[:, 0, : table.shape[1]] = table
+    return out
 
 
-def _seconds(rows: _Rows, groups: list, out: dict, units: list[dict], hw_rows) -> np.ndarray:
-    """``[G, _SECONDS_COLUMNS, Bg]``: each group's seconds columns (its template's
-    ``units``) for each of its configurations (``out``: their filled rows, group by
-    group, ``Bg`` per group); zeros elsewhere."""
-    b = _ROWS_PER_GROUP
-    # One entry per (configuration, its template's seconds column), group by group.
-    members = np.asarray([len(m) for _, m in groups])
-    width = np.asarray([len(u["cost_row"]) for u in units])
-    unit = {name: np.concatenate([u[name] for u in units]) for name in ("cost_row", "stage", "kind")}
-    group = np.repeat(np.arange(len(groups)), members * width)
-    at = np.arange(len(group)) - np.repeat(np.cumsum(members * width) - members * width, members * width)
-    member, column = at // width[group], at % width[group]
-    index = (np.cumsum(width) - width)[group] + column  # into ``unit``
-    e = dict(
-        group=group,
-        row=group * b + member,
-        column=column,
-        config=np.concatenate([m for _, m in groups])[(np.cumsum(members) - members)[group] + member],
-        cost_row=unit["cost_row"][index],
-        stage=unit["stage"][index],
-        kind=unit["kind"][index],
-    )
-    row, first, second = e["row"], np.maximum(e["stage"][:, 0], 0), e["stage"][:, 1]
-    sender = out["device"][row, first]
-    send = np.stack([sender, np.where(second >= 0, out["device"][row, np.maximum(second, 0)], -1)], -1)
-    link = links_by_kind(e["kind"], send, out["tp_link"][row, first], out["dp_link"][row, first])
-    features = rows.cost_features(e["config"], e["cost_row"])
-    program = types.SimpleNamespace(
-        resource=link[None],  # only its shape is read
-        slot_device=send[None],
-        link=link[None],
-        **{
-            name: (0.0 if name in ("flops", "mem_bytes") else features[None, :, i])  # no roofline part left
-            for i, name in enumerate(COST_FEATURES)
-        },
-    )
-    seconds = np.zeros((_GROUPS_PER_CALL, _SECONDS_COLUMNS, b))
-    seconds[e["group"], e["column"], row % b] = op_costs(program, hw_rows, xp=np).seconds[:, 0]
-    return seconds
+def _call_seconds(cost, base, units, device, tp_link, dp_link, hw_rows):
+    """``[G, _SECONDS_COLUMNS, Bg]``: each group's seconds columns for each of its
+    rows, zero past a template's columns (jitted; it runs in the kernel's thread).
+
+    Args:
+      cost: ``[T, F]`` every key's cost tables, flat (``_Rows.cost``).
+      base: ``[G * Bg]`` each row's first row in ``cost`` (``_Rows.cost_base``).
+      units: ``[G, _SECONDS_COLUMNS, 4]`` each group's columns: cost row,
+        stage, second stage and link kind (cost row -1: no column).
+      device, tp_link, dp_link: ``[G * Bg, _MAX_STAGES(, 2)]`` each row's stage devices and links.
+      hw_rows: the hardware's :class:`~distir_jax.kernel.HardwareRows` (one hardware).
+    """
+    g, b = units.shape[0], base.shape[0] // units.shape[0]
+    cost_row, stage, second, kind = (units[:, :, None, i] for i in range(4))  # [G, W, 1] each
+    row = jnp.arange(g * b).reshape(g, 1, b)
+    features = cost[base.reshape(g, 1, b) + jnp.maximum(cost_row, 0)]  # [G, W, Bg, F]
+    first = jnp.maximum(stage, 0)
+    sender = device[row, first]
+    send = jnp.stack([sender, jnp.where(second >= 0, device[row, jnp.maximum(second, 0)], -1)], -1)
+    link = links_by_kind(kind, send, tp_link[row, first], dp_link[row, first], xp=jnp)
+    speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, jnp))
+    speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
+    seconds = op_seconds(jnp, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)
+    return jnp.where(cost_row >= 0, seconds, 0.0)
+
+
+_durations = jax.jit(_call_seconds)
 
 
 def _slices(ops: list[np.ndarray], pad: np.ndarray):
@@ -482,7 +496,7 @@ def _stage_peaks(arrays: list[dict], groups: list, out: dict, ids: np.ndarray, p
 _PEAKS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-peaks")
 
 
-def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, periods):
+def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods):
     """Builds templates on first use, fills every call and issues it; returns
     ``[(ids, stage peaks, devices, rows, result)]`` per call (``rows``: where
     ``ids`` are among the call's rows, which the futures ``stage peaks`` and
@@ -495,7 +509,6 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, peri
     """
     templates = {}
     pad = _padding(_OP_CHUNK)
-    hw_rows = hardware_rows(hardware, per_config_structure=True, xp=np)
     g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
     issued = []
     for groups in calls:
@@ -510,8 +523,7 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, peri
             ids[i, : len(members)] = members
         ids = ids.reshape(-1)
         arrays = [templates[key] for key, _ in groups]
-        out = _empty_rows(len(ids))
-        rows.fill(ids, out)
+        out = rows.rows(ids)
         # Peak memory needs no timeline; numpy releases the GIL over these long arrays,
         # so a worker thread computes it while this one builds the next templates.
         stage_peak = _PEAKS.submit(_stage_peaks, list(arrays), groups, out, ids, periods)
@@ -520,14 +532,20 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, hardware, short: dict, peri
         if kernel is None:
             issued.append((ids[real], stage_peak, out["device"][real], real, None))
             continue
-        seconds = _seconds(rows, groups, out, [a["units"] for a in arrays], hw_rows)
         arrays += [arrays[0]] * (g - len(arrays))  # spare groups
+        columns = (
+            rows.cost_base(ids),
+            np.stack([a["units"] for a in arrays]),
+            out["device"],
+            out["tp_link"],
+            out["dp_link"],
+        )
         slices = _slices([a["ops"] for a in arrays], pad)
         before, after = (
             np.repeat(np.stack([a[name] for a in arrays]), b, axis=0)
             for name in ("period_before", "period_after")
         )
-        result = kernel(seconds, slices, before, after, periods[ids])
+        result = kernel(columns, slices, before, after, periods[ids])
         issued.append((ids[real], stage_peak, out["device"][real], real, result))
     return issued
 
@@ -592,6 +610,7 @@ def simulate_configs(
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     kernel = _Kernel()
     rows = _Rows(model, topology, configs)
+    kernel.load(rows.cost, hardware_rows(hardware, per_config_structure=True, xp=np))
     phases["features"] = time.perf_counter() - begin
     tick = time.perf_counter()
     # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
@@ -624,7 +643,7 @@ def simulate_configs(
     todo = list(range(len(configs)))
     if fit_only:
         calls = _groups(todo, template_of, {i: size(i) for i in todo})
-        for ids, stage_peak, device, real, _ in _run(calls, rows, None, hardware, short, periods):
+        for ids, stage_peak, device, real, _ in _run(calls, rows, None, short, periods):
             stage_peak = stage_peak.result()[real]
             peak[ids] = stage_peak.max(axis=1)
             fits = np.all((stage_peak <= device_capacity[np.maximum(device, 0)]) | (device < 0), axis=1)
@@ -637,7 +656,7 @@ def simulate_configs(
         """Simulates configurations ``ids``; returns those whose period was not certified."""
         calls = _groups(ids, template_of, {i: size(i) for i in ids})
         redo = set()
-        for members, stage_peak, device, real, result in _run(calls, rows, kernel, hardware, short, periods):
+        for members, stage_peak, device, real, result in _run(calls, rows, kernel, short, periods):
             times, certified = (x[real] for x in result.result())
             stage_peak = stage_peak.result()[real]
             capacity = np.where(device >= 0, device_capacity[np.maximum(device, 0)], np.inf)

@@ -112,6 +112,11 @@ def balanced_layers(features: LayerFeatures, num_chunks: int) -> np.ndarray:
     Features measured per layer (``features.per_layer``) get the pipeline
     transform's own cut (:func:`transform_layers_per_chunk`), in layers.
     """
+    return _balanced_layers(features, int(num_chunks))
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced_layers(features: LayerFeatures, num_chunks: int) -> np.ndarray:
     if features.per_layer:
         return transform_layers_per_chunk(features, num_chunks)
     per_part = features.step_flops.sum(axis=1).mean(axis=-1)  # [3]: forward + backward, mean over variants
@@ -192,10 +197,14 @@ def part_coefficients(features: LayerFeatures, layers_per_chunk: Sequence[int]) 
     """
     if features.per_layer:
         return part_counts(features, tuple(int(x) for x in layers_per_chunk))
+    return _block_coefficients(layers_per_chunk, features.ends_are_blocks)
+
+
+def _block_coefficients(layers_per_chunk: Sequence[int], ends_are_blocks: bool) -> np.ndarray:
     layers = np.asarray(layers_per_chunk, np.float64)
     n = len(layers)
     first, last = np.arange(n) == 0, np.arange(n) == n - 1
-    blocks = layers - first - last if features.ends_are_blocks else layers
+    blocks = layers - first - last if ends_are_blocks else layers
     return np.stack([first, blocks, last], axis=1).astype(np.float64)
 
 
@@ -645,7 +654,6 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=4096)
 def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool) -> np.ndarray:
     """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
 
@@ -655,30 +663,45 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
     gradient: an all-reduce output as large as the gradient, a ZeRO
     reduce-scatter output ``1 / d`` of it (so the level falls as it goes).
     """
+    if not features.per_layer:  # depends on the gradients only: shared by recompute policies and sizes
+        return _part_reduction_peak(features.grad_order, features.ends_are_blocks, layers, p, data, zero)
+    return _layer_reduction_peak(features, layers, p, data, zero)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_reduction_peak(
+    features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool
+) -> np.ndarray:
     out_fraction = 1.0 / data if zero else 1.0
-    if features.per_layer:
-        extra = np.zeros(p)
-        for stage in range(p):
-            g = np.asarray(layer_stage_grads(features, layers, stage, p), np.float64)
-            released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
-            extra[stage] = max(0.0, float(np.max(g * out_fraction - released, initial=0.0)))
-        extra.setflags(write=False)  # cached
-        return extra
+    extra = np.zeros(p)
+    for stage in range(p):
+        g = np.asarray(layer_stage_grads(features, layers, stage, p), np.float64)
+        released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
+        extra[stage] = max(0.0, float(np.max(g * out_fraction - released, initial=0.0)))
+    extra.setflags(write=False)  # cached
+    return extra
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_reduction_peak(
+    grad_order: tuple, ends_are_blocks: bool, layers: tuple, p: int, data: int, zero: bool
+) -> np.ndarray:
     # A stage's gradients come in runs (per chunk: its head, its blocks, its
     # embedding), each repeating one part's gradients. Every repetition starts
     # after more has been released than the one before, so a run peaks in its
     # first: the part's own peak ``rise``, less what earlier runs released.
-    coef = _pipeline_parts(features, layers, p).coef  # [n, 3]
+    out_fraction = 1.0 / data if zero else 1.0
+    n = len(layers)
+    if n % p:
+        raise ValueError(f"{n} chunks do not split evenly over {p} stages")
+    coef = _block_coefficients(layers, ends_are_blocks)  # [n, 3]
     parts = (_HEAD, _BLOCK, _EMBED)
     rise, total = np.full(3, -np.inf), np.zeros(3)
     for part in parts:
-        g = np.asarray(features.grad_order[part], np.float64)
+        g = np.asarray(grad_order[part], np.float64)
         if len(g):
             released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
             rise[part], total[part] = np.max(g * out_fraction - released), g.sum() * (1.0 - out_fraction)
-    n = coef.shape[0]
-    if n % p:
-        raise ValueError(f"{n} chunks do not split evenly over {p} stages")
     # [stage, run]: a stage's chunks latest first, each chunk's parts in backward order.
     chunks = np.arange(p)[:, None] + p * np.arange(n // p - 1, -1, -1)[None, :]
     counts = coef[chunks][:, :, parts].reshape(p, -1)
@@ -774,15 +797,15 @@ def realize(
     )
 
 
-def links_by_kind(link_kind, slot_device, tp_link, dp_link) -> np.ndarray:
-    """``[N, 2]`` the link each op is costed on, by its ``link_kind``
-    (:attr:`~distir_jax.transforms.coarse_pipeline.PipelineTemplate.link_kind`):
-    its own device's, its stage's tensor-parallel group's (``tp_link``, ``[N, 2]``),
-    a send's two devices (``slot_device``, ``[N, 2]``), or its stage's
-    data-parallel group's (``dp_link``, ``[N, 2]``)."""
-    own = np.stack([slot_device[:, 0], slot_device[:, 0]], axis=1)
-    links = np.stack([own, tp_link, slot_device, dp_link])
-    return links[np.asarray(link_kind), np.arange(len(link_kind))]
+def links_by_kind(link_kind, slot_device, tp_link, dp_link, xp=np):
+    """``[..., 2]`` the link each op is costed on, by its ``link_kind`` (``[...]``,
+    :attr:`~distir_jax.transforms.coarse_pipeline.PipelineTemplate.link_kind`):
+    its own device's, its stage's tensor-parallel group's (``tp_link``, ``[..., 2]``),
+    a send's two devices (``slot_device``, ``[..., 2]``), or its stage's
+    data-parallel group's (``dp_link``, ``[..., 2]``). ``xp``: numpy or jax.numpy."""
+    kind = xp.asarray(link_kind)[..., None]
+    own = xp.broadcast_to(slot_device[..., :1], slot_device.shape)
+    return xp.where(kind == 1, tp_link, xp.where(kind == 2, slot_device, xp.where(kind == 3, dp_link, own)))
 
 
 def stage_peak_memory(

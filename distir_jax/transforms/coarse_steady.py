@@ -143,24 +143,54 @@ def short_candidates(schedule: str, pipeline: int) -> tuple[int, ...]:
 
 def _signature(template: PipelineTemplate) -> np.ndarray:
     """``[N, X]``: everything the kernel and the memory replay see of an op."""
+    return np.column_stack(_signature_columns(template))
+
+
+def _signature_columns(template: PipelineTemplate) -> list[np.ndarray]:
+    """:func:`_signature`'s columns, ``[N]`` int64 each."""
     cost_row, memory_row = template.rows
     columns = [cost_row, memory_row, template.stage, template.stream, template.link_kind]
     columns += [template.dep_slot, template.out_slot]
-    return np.column_stack([np.asarray(c).reshape(len(cost_row), -1) for c in columns]).astype(np.int64)
+    columns = [np.asarray(c).reshape(len(cost_row), -1) for c in columns]
+    return [c[:, j].astype(np.int64) for c in columns for j in range(c.shape[1])]
+
+
+def _op_keys(*templates: PipelineTemplate) -> list[np.ndarray]:
+    """Each template's :func:`_signature` as one int64 per op, comparable across
+    them: the columns (all >= -1) as digits of one mixed-radix number, or the
+    ``[N, X]`` signatures themselves where those numbers would not fit."""
+    columns = [_signature_columns(t) for t in templates]
+    width = range(len(columns[0]))
+    radix = [max(int(c[i].max(initial=-1)) for c in columns) + 2 for i in width]
+    lowest = min(int(c[i].min(initial=-1)) for c in columns for i in width)
+    if lowest < -1 or np.prod(np.asarray(radix, np.float64)) >= 2.0**62:
+        return [np.column_stack(c) for c in columns]
+    keys = []
+    for c in columns:
+        key = np.zeros(len(c[0]), np.int64)
+        for digit, r in zip(c, radix, strict=True):
+            key = key * r + (digit + 1)
+        keys.append(key)
+    return keys
 
 
 def _find_period(short: np.ndarray, long: np.ndarray) -> tuple[int, int] | None:
-    """``(begin, end)`` of a block ``Q`` with ``short = A Q Z`` and ``long = A Q Q Z``, or None."""
+    """``(begin, end)`` of a block ``Q`` with ``short = A Q Z`` and ``long = A Q Q Z``, or None
+    (ops as rows of ``[N, X]`` signatures, or as ``[N]`` keys)."""
     n1, length = len(short), len(long) - len(short)
     if length <= 0 or length > n1:
         return None
-    differ = np.flatnonzero(np.any(short != long[:n1], axis=1))
+
+    def rows(equal):  # [N(, X)] -> [N]
+        return equal if equal.ndim == 1 else np.all(equal, axis=1)
+
+    differ = np.flatnonzero(~rows(short == long[:n1]))
     prefix = int(differ[0]) if differ.size else n1
-    differ = np.flatnonzero(np.any(short[::-1] != long[::-1][:n1], axis=1))
+    differ = np.flatnonzero(~rows(short[::-1] == long[::-1][:n1]))
     suffix = int(differ[0]) if differ.size else n1
     # Insertion points i with long = short[:i] + X + short[i:]: N1 - suffix <= i <= prefix.
     # X is a second copy of the block before it when long repeats with period L over [i - L, i + L).
-    repeats = np.all(long[length:] == long[:-length], axis=1)  # long[j] == long[j + L]
+    repeats = rows(long[length:] == long[:-length])  # long[j] == long[j + L]
     bad = np.concatenate([[0], np.cumsum(~repeats)])
     for i in range(min(prefix, n1), max(n1 - suffix, length) - 1, -1):
         if bad[i] - bad[i - length] == 0:
@@ -181,21 +211,25 @@ def _statically_sound(template: PipelineTemplate, begin: int, end: int) -> bool:
     if np.any(template.dep_slot[:end] >= 0) or np.any(template.out_slot[:end] >= 0):
         return False
     res = _resources(template)
-    in_period = np.unique(res[begin:end][res[begin:end] >= 0])
-    earlier = res[:begin][res[:begin] >= 0]
-    if not np.all(np.isin(earlier, in_period)):
+    flat = res.reshape(-1)
+    in_period = np.zeros(flat.max(initial=0) + 1, bool)
+    period = res[begin:end]
+    in_period[period[period >= 0]] = True
+    earlier = res[:begin]
+    if not np.all(in_period[earlier[earlier >= 0]]):
         return False
     # An op of Z whose every resource is used for the first time, and that waits for no slot,
     # would start at 0 in both programs.
-    flat = res.reshape(-1)
-    used = flat >= 0
-    first = np.full(flat.max(initial=0) + 1, len(res))
-    np.minimum.at(first, flat[used], np.flatnonzero(used) // 2)
-    op = np.arange(len(res))
-    fresh = np.where(res >= 0, first[np.maximum(res, 0)] == op[:, None], True).all(axis=1)
-    fresh &= (res >= 0).any(axis=1)
-    waits = (template.dep_slot.reshape(len(res), -1) >= 0).any(axis=1)
-    return not np.any(fresh[end:] & ~waits[end:])
+    used = np.flatnonzero(flat >= 0)
+    first = np.full(len(in_period), len(res))
+    resource, at = np.unique(flat[used], return_index=True)
+    first[resource] = used[at] // 2  # each resource's first op
+    late = res[end:]
+    op = np.arange(end, len(res))
+    fresh = np.where(late >= 0, first[np.maximum(late, 0)] == op[:, None], True).all(axis=1)
+    fresh &= (late >= 0).any(axis=1)
+    waits = (template.dep_slot[end:].reshape(len(late), -1) >= 0).any(axis=1)
+    return not np.any(fresh & ~waits)
 
 
 def _last_op_on(res: np.ndarray, resources: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -296,7 +330,7 @@ def _short(p, short_k, v, schedule, mode, costs, segments, updates) -> SteadyTem
     short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
     longer_k = short_k + _microbatch_period(schedule, p)
     longer = pipeline_template(p, longer_k, v, schedule, mode, step_costs, segments, updates)
-    found = _find_period(_signature(short), _signature(longer))
+    found = _find_period(*_op_keys(short, longer))
     if found is None or not _statically_sound(short, *found):
         return None
     begin, end = found
