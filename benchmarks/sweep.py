@@ -35,6 +35,13 @@ import subprocess
 import sys
 import time
 
+# One intra-op thread for XLA's CPU client (it reads NPROC when it starts, at the
+# first computation), unless the caller set one: a timeline step moves a few
+# thousand numbers, too little to split, and split over two threads a step runs no
+# faster and takes twice the CPU, which the host's table building then lacks
+# (benchmarks/RESULTS.md, "NPROC").
+os.environ.setdefault("NPROC", "1")
+
 import jax
 import numpy as np
 

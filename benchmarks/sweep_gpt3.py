@@ -52,16 +52,31 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import os
 import platform
 import time
 import types
+
+# One intra-op thread for XLA's CPU client (it reads NPROC when it starts, at the
+# first computation), unless the caller set one: a timeline step moves a few
+# thousand numbers, too little to split, and split over two threads a step runs no
+# faster and takes twice the CPU, which the host's table building then lacks
+# (benchmarks/RESULTS.md, "NPROC").
+os.environ.setdefault("NPROC", "1")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from distir_jax.cost import COST_FEATURES, op_seconds
-from distir_jax.grouped_timeline import pack_ops, padding_ops, run_grouped, start_grouped, step_times
+from distir_jax.grouped_timeline import (
+    GroupedTimeline,
+    pack_ops,
+    padding_ops,
+    run_grouped,
+    start_grouped,
+    step_times,
+)
 from distir_jax.hardware import Hardware
 from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, hardware_rows, op_speeds, status_codes
 from distir_jax.models import get_model_config
@@ -248,11 +263,13 @@ def _padding(count: int) -> np.ndarray:
     return padding_ops(count, _RESOURCES, _MAX_SLOTS, _SECONDS_COLUMNS - 1)
 
 
-def _end_call(state, before, after, periods):
+def _end_call(state: GroupedTimeline, before, after, periods):
     """Step time of every row (a steady row's long program's, from the clocks
-    around its period) and whether its period is certified; ``[G * Bg]`` each."""
-    finish = jnp.moveaxis(state.finish, 1, 2).reshape(-1, state.finish.shape[1])
-    return extrapolate(finish, before, after, periods, step_times(state).reshape(-1), _STEADY_RTOL, xp=jnp)
+    around its period) and whether its period is certified; ``[G * Bg]`` each
+    (on the host: a few thousand rows, not worth a compiled function)."""
+    finish = np.moveaxis(state.finish, 1, 2).reshape(-1, state.finish.shape[1])
+    step_time = step_times(state, xp=np).reshape(-1)
+    return extrapolate(finish, before, after, periods, step_time, _STEADY_RTOL)
 
 
 class _Kernel:
@@ -267,19 +284,10 @@ class _Kernel:
     @staticmethod
     def _compile():
         with jax.enable_x64(True):  # a `with` does not reach other threads
-            g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
-            state = jax.eval_shape(lambda: start_grouped(g, _RESOURCES, _MAX_SLOTS, b, jnp.float64))
-            ops = jax.ShapeDtypeStruct((g, _OP_CHUNK, 5), np.int32)
-            seconds = jax.ShapeDtypeStruct((g, _SECONDS_COLUMNS, b), np.float64)
-            period = jax.ShapeDtypeStruct((g * b, _PERIOD_RESOURCES), np.int32)
-            periods = jax.ShapeDtypeStruct((g * b,), np.float64)
-            return (
-                jax.jit(start_grouped, static_argnums=(0, 1, 2, 3, 4))
-                .lower(g, _RESOURCES, _MAX_SLOTS, b, jnp.float64)
-                .compile(),
-                jax.jit(run_grouped, donate_argnums=0).lower(state, ops, seconds).compile(),
-                jax.jit(_end_call).lower(state, period, period, periods).compile(),
-            )
+            state = jax.eval_shape(lambda: _start())
+            ops = jax.ShapeDtypeStruct((_GROUPS_PER_CALL, _OP_CHUNK, 5), np.int32)
+            seconds = jax.ShapeDtypeStruct((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP), np.float64)
+            return jax.jit(run_grouped, donate_argnums=0).lower(state, ops, seconds).compile()
 
     def load(self, cost: np.ndarray, hw_rows) -> None:
         """Puts every key's cost tables (``_Rows.cost``) and the hardware on the device, once."""
@@ -310,13 +318,18 @@ class _Kernel:
         return _WORKER.submit(self._issue, columns, slices, before, after, periods)
 
     def _issue(self, columns, slices, before, after, periods):
-        begin, advance, end = self.future.result()
+        advance = self.future.result()
         cost, hw_rows, durations = self.tables.result()
         with jax.enable_x64(True):  # a `with` does not reach other threads
-            state, seconds = begin(), durations(cost, *columns, hw_rows)
+            state, seconds = jax.device_put(_start()), durations(cost, *columns, hw_rows)
             for ops in slices:
                 state = advance(state, jax.device_put(ops), seconds)
-            return jax.device_get(end(state, before, after, periods))
+            return _end_call(jax.device_get(state), before, after, periods)
+
+
+def _start() -> GroupedTimeline:
+    """A call's timeline at zero, on the host."""
+    return start_grouped(_GROUPS_PER_CALL, _RESOURCES, _MAX_SLOTS, _ROWS_PER_GROUP, np.float64, xp=np)
 
 
 _WORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-kernel")
@@ -376,8 +389,8 @@ class _Rows:
     def features(self, tensor: int, recompute: str):
         return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
 
-    def rows(self, ids: np.ndarray) -> dict:
-        """Configurations ``ids``' memory tables, resident bytes and stage devices, one row each."""
+    def memory(self, ids: np.ndarray) -> dict:
+        """Configurations ``ids``' memory tables and resident bytes, one row each."""
         k, v = self.key[ids], self.variant[ids]
         memory_row = np.arange(_MEMORY_ROWS)
         index = np.where(  # past a key's rows: the zero row at the end
@@ -389,14 +402,12 @@ class _Rows:
         row = np.arange(len(ids))
         resident[row, 0] += self.data[ids]
         resident[row, self.last[k]] += self.data[ids]
-        return dict(
-            alloc=self.alloc[index],
-            free=self.free[index],
-            resident=resident,
-            device=self.device[k],
-            tp_link=self.tp_link[k],
-            dp_link=self.dp_link[k],
-        )
+        return dict(alloc=self.alloc[index], free=self.free[index], resident=resident)
+
+    def layout(self, ids: np.ndarray) -> dict:
+        """Configurations ``ids``' stage devices and links, one row each."""
+        k = self.key[ids]
+        return dict(device=self.device[k], tp_link=self.tp_link[k], dp_link=self.dp_link[k])
 
     def cost_base(self, ids: np.ndarray) -> np.ndarray:
         """``[len(ids)]`` int32: where configuration ``ids[i]``'s cost table starts in ``self.cost``."""
@@ -474,18 +485,20 @@ def _groups(ids, template_of, size_of) -> list[list[tuple]]:
     return [groups[j : j + _GROUPS_PER_CALL] for j in range(0, len(groups), _GROUPS_PER_CALL)]
 
 
-def _stage_peaks(arrays: list[dict], groups: list, out: dict, ids: np.ndarray, periods) -> np.ndarray:
-    """``[G * Bg, _MAX_STAGES]`` each configuration's peak bytes per stage: the
-    product's rule, per template (spare rows stay zero)."""
+def _stage_peaks(arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray, periods) -> np.ndarray:
+    """``[len(groups) * Bg, _MAX_STAGES]`` each configuration's peak bytes per stage
+    (``ids``: the groups' rows, ``Bg`` per group): the product's rule, per template
+    (spare rows stay zero)."""
     b = _ROWS_PER_GROUP
+    memory = rows.memory(ids)
     stage_peak = np.zeros((len(ids), _MAX_STAGES))
     for i, (a, (_, members)) in enumerate(zip(arrays, groups, strict=True)):
         at = slice(i * b, i * b + len(members))
         stage_peak[at] = stage_peak_memory(
             a["template"],
-            out["alloc"][at],
-            out["free"][at],
-            out["resident"][at],
+            memory["alloc"][at],
+            memory["free"][at],
+            memory["resident"][at],
             a["steady"],
             extra_periods=periods[ids[at]],
             table_rows=a["memory_row"],
@@ -493,7 +506,29 @@ def _stage_peaks(arrays: list[dict], groups: list, out: dict, ids: np.ndarray, p
     return stage_peak
 
 
-_PEAKS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-gpt3-peaks")
+class _Peaks:
+    """A call's stage peaks, computed in parts in the peaks threads (numpy releases
+    the GIL over their long arrays, so they run while the host builds the next
+    templates, and after the host is done, on both cores)."""
+
+    def __init__(self, arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray, periods):
+        b = _ROWS_PER_GROUP
+        # Parts of about equal work (ops times configurations), groups in order.
+        work = np.cumsum([a["template"].num_ops * len(m) for a, (_, m) in zip(arrays, groups, strict=True)])
+        cuts = np.searchsorted(work, work[-1] * np.arange(1, _PEAK_PARTS) / _PEAK_PARTS, side="right")
+        bounds = np.unique(np.concatenate([[0], cuts, [len(groups)]]))
+        self.parts = [
+            _PEAKS.submit(_stage_peaks, arrays[lo:hi], groups[lo:hi], rows, ids[lo * b : hi * b], periods)
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+
+    def result(self) -> np.ndarray:
+        """``[len(groups) * Bg, _MAX_STAGES]``, as :func:`_stage_peaks`."""
+        return np.concatenate([part.result() for part in self.parts])
+
+
+_PEAK_PARTS = 4
+_PEAKS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sweep-gpt3-peaks")
 
 
 def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods):
@@ -523,10 +558,9 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods):
             ids[i, : len(members)] = members
         ids = ids.reshape(-1)
         arrays = [templates[key] for key, _ in groups]
-        out = rows.rows(ids)
-        # Peak memory needs no timeline; numpy releases the GIL over these long arrays,
-        # so a worker thread computes it while this one builds the next templates.
-        stage_peak = _PEAKS.submit(_stage_peaks, list(arrays), groups, out, ids, periods)
+        out = rows.layout(ids)
+        # Peak memory needs no timeline: the peaks threads compute it.
+        stage_peak = _Peaks(list(arrays), groups, rows, ids[: len(groups) * b], periods)
         # Results leave out the spare rows (they repeat a configuration).
         real = np.concatenate([i * b + np.arange(len(members)) for i, (_, members) in enumerate(groups)])
         if kernel is None:

@@ -50,11 +50,12 @@ class GroupedTimeline(NamedTuple):
     finish: jax.Array
 
 
-def start_grouped(groups: int, resources: int, slots: int, rows: int, dtype=None) -> GroupedTimeline:
-    """Every clock and slot at zero: ``groups`` groups of ``rows`` rows."""
+def start_grouped(groups: int, resources: int, slots: int, rows: int, dtype=None, xp=jnp) -> GroupedTimeline:
+    """Every clock and slot at zero: ``groups`` groups of ``rows`` rows (``xp=numpy``:
+    on the host, to be put on the device without compiling anything)."""
     dtype = dtype or jnp.result_type(float)
     return GroupedTimeline(
-        jnp.zeros((groups, resources + 1, rows), dtype), jnp.zeros((groups, slots + 2, rows), dtype)
+        xp.zeros((groups, resources + 1, rows), dtype), xp.zeros((groups, slots + 2, rows), dtype)
     )
 
 
@@ -118,6 +119,6 @@ def run_grouped(state: GroupedTimeline, ops: jax.Array, seconds: jax.Array) -> G
     return jax.lax.scan(step, state, jnp.moveaxis(ops, 1, 0))[0]
 
 
-def step_times(state: GroupedTimeline) -> jax.Array:
+def step_times(state: GroupedTimeline, xp=jnp) -> jax.Array:
     """``[G, Bg]`` every row's step time: its latest resource clock."""
-    return jnp.max(state.clock[:, :-1], axis=1)
+    return xp.max(state.clock[:, :-1], axis=1)
