@@ -301,7 +301,7 @@ class _Kernel:
             shape = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
             durations = _durations.lower(
                 cost,
-                shape(g * b),
+                shape(g * b, 3),
                 shape(g, _SECONDS_COLUMNS, 4),
                 shape(g * b, _MAX_STAGES),
                 shape(g * b, _MAX_STAGES, 2),
@@ -366,11 +366,19 @@ class _Rows:
         self.tp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
         self.dp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
         self.last = np.zeros(len(keys), np.intp)  # the last chunk's stage (it holds the labels)
+        # Cost rows of the chunks' steps (ChunkTables: forward, first and later backwards,
+        # a message: the first 3n + 1) depend on the features and the chunks' layers only:
+        # one copy serves every pipeline depth and data-parallel mode. The rest is per key.
+        steps, steps_of = [], {}
+        self.steps, self.split = np.zeros(len(keys), np.intp), np.zeros(len(keys), np.intp)
         for (t, rc, p, v, d, zero, mode), i in keys.items():
             features = self.features(t, rc)
-            tables.append(
-                chunk_tables(features, balanced_layers(features, p * v), p, 0, data=d, zero=zero, mode=mode)
-            )
+            layers = balanced_layers(features, p * v)
+            tables.append(chunk_tables(features, layers, p, 0, data=d, zero=zero, mode=mode))
+            self.split[i] = 3 * p * v + 1
+            self.steps[i] = steps_of.setdefault((t, rc, tuple(layers.tolist())), len(steps))
+            if self.steps[i] == len(steps):
+                steps.append(tables[-1].cost[:, : self.split[i]])
             data_bytes.append(features.data_bytes)
             device, tp_link, dp_link = stage_devices(topology, p, t, d)
             self.device[i, :p], self.tp_link[i, :p], self.dp_link[i, :p] = device, tp_link, dp_link
@@ -381,7 +389,11 @@ class _Rows:
         )
         # Each key's tables flat, one after the other: a configuration's table ``x``
         # starts at ``start[x][key] + variant * rows[x][key]``.
-        self.cost, self.cost_rows, self.cost_start = _flat([t.cost for t in tables])
+        self.cost, self.steps_rows, self.steps_start = _flat(
+            steps + [t.cost[:, split:] for t, split in zip(tables, self.split, strict=True)]
+        )
+        self.steps_rows, self.cost_rows = self.steps_rows[: len(steps)], self.steps_rows[len(steps) :]
+        self.steps_start, self.cost_start = self.steps_start[: len(steps)], self.steps_start[len(steps) :]
         self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables], pad=1)
         self.free = _flat([t.free for t in tables], pad=1)[0]
         self.resident, _, self.resident_start = _flat([_widen(t.resident, _MAX_STAGES) for t in tables])
@@ -410,9 +422,13 @@ class _Rows:
         return dict(device=self.device[k], tp_link=self.tp_link[k], dp_link=self.dp_link[k])
 
     def cost_base(self, ids: np.ndarray) -> np.ndarray:
-        """``[len(ids)]`` int32: where configuration ``ids[i]``'s cost table starts in ``self.cost``."""
-        k = self.key[ids]
-        return (self.cost_start[k] + self.variant[ids] * self.cost_rows[k]).astype(np.int32)
+        """``[len(ids), 3]`` int32: where configuration ``ids[i]``'s step rows start in
+        ``self.cost``, where its other rows would start (its data-parallel rows are
+        there from its row ``split``), and ``split``."""
+        k, v = self.key[ids], self.variant[ids]
+        steps = self.steps_start[self.steps[k]] + v * self.split[k]
+        other = self.cost_start[k] + v * self.cost_rows[k] - self.split[k]
+        return np.stack([steps, other, self.split[k]], axis=1).astype(np.int32)
 
 
 def _flat(tables: list[np.ndarray], pad: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -438,7 +454,8 @@ def _call_seconds(cost, base, units, device, tp_link, dp_link, hw_rows):
 
     Args:
       cost: ``[T, F]`` every key's cost tables, flat (``_Rows.cost``).
-      base: ``[G * Bg]`` each row's first row in ``cost`` (``_Rows.cost_base``).
+      base: ``[G * Bg, 3]`` where each row's step rows and other rows start in
+        ``cost``, and its first other row (``_Rows.cost_base``).
       units: ``[G, _SECONDS_COLUMNS, 4]`` each group's columns: cost row,
         stage, second stage and link kind (cost row -1: no column).
       device, tp_link, dp_link: ``[G * Bg, _MAX_STAGES(, 2)]`` each row's stage devices and links.
@@ -447,7 +464,8 @@ def _call_seconds(cost, base, units, device, tp_link, dp_link, hw_rows):
     g, b = units.shape[0], base.shape[0] // units.shape[0]
     cost_row, stage, second, kind = (units[:, :, None, i] for i in range(4))  # [G, W, 1] each
     row = jnp.arange(g * b).reshape(g, 1, b)
-    features = cost[base.reshape(g, 1, b) + jnp.maximum(cost_row, 0)]  # [G, W, Bg, F]
+    steps, other, split = (base[:, i].reshape(g, 1, b) for i in range(3))
+    features = cost[jnp.where(cost_row < split, steps, other) + jnp.maximum(cost_row, 0)]  # [G, W, Bg, F]
     first = jnp.maximum(stage, 0)
     sender = device[row, first]
     send = jnp.stack([sender, jnp.where(second >= 0, device[row, jnp.maximum(second, 0)], -1)], -1)
