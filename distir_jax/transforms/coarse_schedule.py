@@ -198,15 +198,27 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
     total = np.cumsum(cost, axis=1)
     before = total - cost
     finish = total.copy()
+    flat_finish = finish.reshape(-1)  # a view: row updates show through it
+    # A device's finishes from its steps' inputs: ``total`` plus the largest wait so
+    # far. Iterated from ``total`` up, this reaches the least fixed point, whatever
+    # the order rows are updated in; rows in device order and then back (forward
+    # inputs come from the device before, backward ones from the one after) carry a
+    # chain of waits across every device in one sweep: 2-3 sweeps for 1F1B and
+    # interleaved orders, where updating all rows at once took ~2p.
+    sweep = list(range(p)) + list(range(p - 2, 0, -1))
     for _ in range(2 * p * m + 2):
-        ext = np.where(has_dep, finish.reshape(-1)[dep_index], 0.0)
-        new = total + np.maximum.accumulate(np.maximum(ext - before, 0.0), axis=1)
-        if np.array_equal(new, finish):
+        changed = False
+        for d in sweep:
+            wait = np.where(has_dep[d], flat_finish[dep_index[d]], 0.0) - before[d]
+            new = total[d] + np.maximum.accumulate(np.maximum(wait, 0.0))
+            if not np.array_equal(new, finish[d]):
+                finish[d], changed = new, True
+        if not changed:
+            ext = np.where(has_dep, flat_finish[dep_index], 0.0)
             # Starts from the finishes they wait for, not ``finish - cost``: float
             # rounding could put a step's start a bit before its input's finish.
             previous = np.concatenate([np.zeros((p, 1)), finish[:, :-1]], axis=1)
             return np.maximum(previous, ext), finish
-        finish = new
     raise ValueError("the schedule deadlocks: estimated step times do not converge")
 
 
