@@ -17,13 +17,16 @@ calls. The kernel is :mod:`distir_jax.grouped_timeline`: a call holds 64
 groups of 16 configurations, each group one template (its configurations
 differ in op durations only), and runs them ``_OP_CHUNK`` ops at a time,
 carrying the timeline from slice to slice, so one compiled kernel serves every
-call. Each step reads and writes a group's clocks at one index, which on a CPU
-costs ~15-20 ns per op and configuration (the general kernel's per-row
-gathers cost ~80-100). Op durations are computed once per call on the host,
-one column per distinct (cost row, stages, link) of a template. The kernel
-compiles, and its calls are issued, in a background thread while the host
-builds tables; peak memory needs no timeline: another thread computes it per
-template, vectorized over its rows.
+call. Each step reads and writes a group's clocks at one index, ~10 ns per op
+and configuration on a CPU (the general kernel's per-row gathers cost
+~80-100). Op durations are computed per call by a jitted function, one column
+per distinct (cost row, stages, link) of a template, from one flat table of
+every key's cost rows put on the device once (the chunks' step rows stored
+once per (features, layers), shared by every pipeline depth and data-parallel
+mode). The kernel compiles, and its calls (durations, then slices) are issued,
+in a background thread while the host builds tables; XLA's CPU client runs on
+one intra-op thread (``NPROC=1``, see below). Peak memory needs no timeline:
+two more threads compute it per template, vectorized over its rows.
 
     python benchmarks/sweep_gpt3.py            # the whole space
     python benchmarks/sweep_gpt3.py --quick    # a deterministic subsample, < 40 s
@@ -41,10 +44,10 @@ whose steady period stands for the rest (:mod:`distir_jax.transforms.coarse_stea
 short templates are shared by every longer ``k``): ~2.2e7 ops in all. The
 kernel runs in float64 here, so the period's certificate (every resource's
 clock moves by the same amount) holds to ~1e-12; a row that fails it is
-simulated at full length. Where the time goes on a 2-core CPU (~5 s in all,
-see ``benchmarks/RESULTS.md``): measuring blocks and filling chunk tables
-(~1.4 s), steady templates (~0.8 s), then templates, durations and peak
-memory per call (~2.5 s, the kernel's ~1 s overlapped).
+simulated at full length. Where the time goes on a 2-core CPU (~3.5-4.5 s in
+all, see ``benchmarks/RESULTS.md``): measuring blocks and filling chunk tables
+(~1.2 s), steady templates (~0.6 s), then templates, call assembly and peak
+memory (~1.5-2 s, the kernel's ~1 s overlapped).
 """
 
 from __future__ import annotations
