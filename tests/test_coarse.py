@@ -384,6 +384,16 @@ def test_estimated_steps_never_start_before_what_they_wait_for(schedule, p, k, v
         assert all(s0 >= at[w][1] for w in waits)
 
 
+def test_estimated_times_report_an_order_that_deadlocks():
+    # Device 0 runs chunk 0's backward before its forward; device 1 runs chunk 1's
+    # forward (which waits for chunk 0's) before its backward (which chunk 0's waits for).
+    chunk = np.asarray([[0, 0], [1, 1]])
+    mb = np.zeros((2, 2), np.int64)
+    backward = np.asarray([[True, False], [False, True]])
+    with pytest.raises(ValueError, match="deadlocks"):
+        estimated_times(chunk, mb, backward, 2, np.ones((2, 2)))
+
+
 # (schedule, p, k, v) cases for the array schedule code against the step-by-step one.
 SCHEDULE_CASES = [
     ("gpipe", 3, 5, 1),

@@ -7,6 +7,7 @@ and per-stage peak memory that the short run extrapolates to.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,6 +30,7 @@ from distir_jax.transforms.coarse import (
 from distir_jax.transforms.coarse_schedule import order_costs
 from distir_jax.transforms.coarse_steady import (
     _find_period,
+    _op_keys,
     _signature,
     extrapolate,
     steady_template,
@@ -95,6 +97,31 @@ def test_find_period():
     assert _find_period(short, np.concatenate([a, q, q, z])) == (7, 11)
     assert _find_period(short, np.concatenate([a, q, q[::-1], z])) is None
     assert _find_period(short, short) is None
+
+
+@pytest.mark.parametrize("schedule, p, v", PIPELINES)
+@pytest.mark.parametrize("mode", ["none", "overlap_zero"])
+def test_op_keys_are_equal_exactly_where_signatures_are(schedule, p, v, mode):
+    step = p if schedule == "interleaved" else 1
+    short, longer = (pipeline_template(p, k, v, schedule, mode) for k in (3 * p, 3 * p + step))
+    keys, signatures = _op_keys(short, longer), (_signature(short), _signature(longer))
+    assert keys[0].ndim == 1  # packed: these fit in 63 bits
+    rng = np.random.default_rng(0)
+    i, j = rng.integers(0, len(keys[0]), 2000), rng.integers(0, len(keys[1]), 2000)
+    np.testing.assert_array_equal(
+        keys[0][i] == keys[1][j], np.all(signatures[0][i] == signatures[1][j], axis=1)
+    )
+    assert _find_period(*keys) == _find_period(*signatures) is not None
+
+
+def test_op_keys_fall_back_to_signatures_when_they_do_not_fit():
+    short = pipeline_template(2, 4, 1, "1f1b", "none")
+    dep_slot, out_slot = short.dep_slot.copy(), short.out_slot.copy()
+    dep_slot[-1], out_slot[0] = 2**31 - 2, 2**31 - 2  # two digits of 2**31: no room in 63 bits
+    wide = dataclasses.replace(short, num_slots=2**31 - 1, dep_slot=dep_slot, out_slot=out_slot)
+    keys = _op_keys(wide, wide)
+    assert keys[0].ndim == 2
+    np.testing.assert_array_equal(keys[0], _signature(wide))
 
 
 def _programs(schedule, p, v, k, tensor, recompute, data, zero, overlap, transform_order=False, **steady):
