@@ -433,15 +433,16 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
 
 
 @functools.lru_cache(maxsize=1024)
-def _data_parallel_cached(features: LayerFeatures, degree: int, zero: bool):
-    num_parts = len(features.grad_types)
+def _data_parallel_cached(grad_types: tuple, degree: int, zero: bool):
+    # Keyed by the gradients' types: every recompute policy and size shares them.
+    num_parts = len(grad_types)
     reduce = np.zeros((num_parts, len(COST_FEATURES)))
     gather = np.zeros((num_parts, len(COST_FEATURES)))
     if degree == 1:
         return reduce, gather
     group = {"group": tuple(range(degree)), "axis": 0}
     volume, hops = _FEATURE_INDEX["comm_volume"], _FEATURE_INDEX["comm_hops"]
-    for part, types in enumerate(features.grad_types):
+    for part, types in enumerate(grad_types):
         for grad in types:
             if zero:
                 # ZeRO implementations flatten and pad each gradient so any
@@ -466,4 +467,4 @@ def _data_parallel_cached(features: LayerFeatures, degree: int, zero: bool):
 def _data_parallel(features: LayerFeatures, degree: int, zero: bool):
     if degree < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {degree}")
-    return _data_parallel_cached(features, degree, zero)
+    return _data_parallel_cached(features.grad_types, degree, zero)

@@ -254,7 +254,7 @@ class _PipelineParts:
     """What :func:`chunk_tables` needs that does not depend on data parallelism."""
 
     coef: np.ndarray  # [n, 3] parts per chunk
-    stage_coef: np.ndarray  # [p, 3] parts per stage
+    stage_coef: np.ndarray | None  # [p, 3] parts per stage
     steps: np.ndarray  # [S, 3n + 1, F]: forward, first backward, later backwards of each chunk, a message
     fwd: tuple  # (rise, net) [n, S] of each chunk's forward
     bwd: list  # the same of its first and of its later backwards
@@ -264,12 +264,21 @@ class _PipelineParts:
 def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _PipelineParts:
     """Chunk costs and pass memory of ``layers`` blocks per chunk on ``p`` stages, shared by
     every data-parallel degree, ZeRO setting and mode (cached; read only)."""
+    parts = _chunk_parts(features, layers)
+    stage_coef = np.zeros((p, parts.coef.shape[1]))
+    np.add.at(stage_coef, np.arange(len(layers)) % p, parts.coef)
+    stage_coef.setflags(write=False)
+    return dataclasses.replace(parts, stage_coef=stage_coef)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
+    """:func:`_pipeline_parts` but ``stage_coef`` (None): what does not depend on the
+    number of stages, shared by every pipeline depth with these chunks."""
     layers = np.asarray(layers, np.int64)
     n = len(layers)
     first, last = np.arange(n) == 0, np.arange(n) == n - 1
     coef = part_coefficients(features, layers)  # [n, 3] (per layer: [n, P]) parts per chunk
-    stage_coef = np.zeros((p, coef.shape[1]))
-    np.add.at(stage_coef, np.arange(n) % p, coef)
     s = features.num_variants
     # Costs.
     step = features.step  # [3, 2, S, F]
@@ -282,9 +291,9 @@ def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _Pipeline
     steps = np.concatenate([forward, backward, backward + accumulate[None], message], axis=1)
     if features.per_layer:  # chunks of single layers, chained one by one
         fwd, bwd = layer_pass_memory(features, tuple(int(x) for x in layers))
-        for x in (coef, stage_coef, steps, *fwd, *(y for b in bwd for y in b)):
+        for x in (coef, steps, *fwd, *(y for b in bwd for y in b)):
             x.setflags(write=False)
-        return _PipelineParts(coef, stage_coef, steps, fwd, bwd)
+        return _PipelineParts(coef, None, steps, fwd, bwd)
     # Memory of each chunk's passes, chained from its parts.
     rise_f, net_f = features.peak_rise[:, 0], features.net_bytes[:, 0]  # [3, S]
     rise_b, net_b = features.backward_rise, features.backward_net  # [3, later, input freed, S]
@@ -322,9 +331,9 @@ def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _Pipeline
             blocks(r[_BLOCK, 1], m[_BLOCK, 1], first_block * 1.0),
         )
         bwd.append(_chain(_chain(head, body), part(r[_EMBED, 0], m[_EMBED, 0], first)))
-    for x in (coef, stage_coef, steps, *fwd, *(y for b in bwd for y in b)):
+    for x in (coef, steps, *fwd, *(y for b in bwd for y in b)):
         x.setflags(write=False)
-    return _PipelineParts(coef, stage_coef, steps, fwd, bwd)
+    return _PipelineParts(coef, None, steps, fwd, bwd)
 
 
 def chunk_tables(
