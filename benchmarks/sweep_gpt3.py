@@ -93,7 +93,7 @@ from distir_jax.transforms.coarse import (
     stage_devices,
     template_size,
 )
-from distir_jax.transforms.coarse_program import links_by_kind, stage_peak_memory
+from distir_jax.transforms.coarse_program import event_stage_peaks, links_by_kind
 from distir_jax.transforms.coarse_steady import extrapolate, short_candidates, steady_template
 
 MODEL = "gpt3-175b"
@@ -104,7 +104,6 @@ RECOMPUTE = ("none", "attention", "full")
 _MAX_STAGES = 64
 _MAX_CHUNKS = 96
 _COST_ROWS = 4 * _MAX_CHUNKS + 2 * _MAX_STAGES + 2  # the last row stays zero (padding ops)
-_MEMORY_ROWS = 3 * _MAX_CHUNKS + _MAX_STAGES + 3
 # Most resources one steady period uses (stream 0 of every stage, at most).
 _PERIOD_RESOURCES = 2 * _MAX_STAGES
 # Largest relative error the steady-state certificate's bound may allow (float64 kernel).
@@ -205,6 +204,8 @@ def _template_arrays(template, steady=None) -> dict:
             f"the kernel is compiled for <= {_MAX_SLOTS} / {_DEPS_PER_OP}"
         )
     cost_row, memory_row = template.rows
+    if memory_row.max(initial=-1) >= 3 * template.num_chunks + template.pipeline + 3:  # ChunkTables' rows
+        raise ValueError(f"template memory rows reach {memory_row.max()}, past its chunk tables'")
     stage, kind = template.stage, template.link_kind
     # An op's duration depends on its cost row and on the devices and link it
     # runs on (per configuration): one seconds column per distinct combination.
@@ -220,8 +221,6 @@ def _template_arrays(template, steady=None) -> dict:
     n, c = template.num_ops, _OP_CHUNK
     chunks = -(-n // c)
     ops = np.concatenate([ops, _padding(chunks * c - n)]).reshape(chunks, c, 5)
-    # Memory per op (-1: the tables' last row, all zeros), for stage_peak_memory.
-    memory_row = np.where(memory_row >= 0, memory_row, _MEMORY_ROWS - 1)
     # Seconds columns as [cost row, stage, second stage, link kind], padded with cost row -1 (zero seconds).
     units = np.full((_SECONDS_COLUMNS, 4), -1, np.int32)
     units[: len(first)] = np.column_stack([cost_row[first], stage[first], kind[first]])
@@ -399,25 +398,28 @@ class _Rows:
         self.steps_start, self.cost_start = self.steps_start[: len(steps)], self.steps_start[len(steps) :]
         self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables], pad=1)
         self.free = _flat([t.free for t in tables], pad=1)[0]
-        self.resident, _, self.resident_start = _flat([_widen(t.resident, _MAX_STAGES) for t in tables])
+        self.resident_bytes, _, self.resident_start = _flat([_widen(t.resident, _MAX_STAGES) for t in tables])
 
     def features(self, tensor: int, recompute: str):
         return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
 
-    def memory(self, ids: np.ndarray) -> dict:
-        """Configurations ``ids``' memory tables and resident bytes, one row each."""
+    def resident(self, ids: np.ndarray) -> np.ndarray:
+        """``[len(ids), _MAX_STAGES]`` configurations ``ids``' resident bytes per stage."""
         k, v = self.key[ids], self.variant[ids]
-        memory_row = np.arange(_MEMORY_ROWS)
-        index = np.where(  # past a key's rows: the zero row at the end
-            memory_row < self.memory_rows[k][:, None],
-            (self.memory_start[k] + v * self.memory_rows[k])[:, None] + memory_row,
-            len(self.alloc) - 1,
-        )
-        resident = self.resident[self.resident_start[k] + v]
+        resident = self.resident_bytes[self.resident_start[k] + v]
         row = np.arange(len(ids))
         resident[row, 0] += self.data[ids]
         resident[row, self.last[k]] += self.data[ids]
-        return dict(alloc=self.alloc[index], free=self.free[index], resident=resident)
+        return resident
+
+    def event_bytes(self, ids: np.ndarray, memory_row: np.ndarray, events: np.ndarray):
+        """``(alloc, free)``, ``[len(ids), E]`` each: configurations ``ids``' bytes at
+        op slots ``events`` of a template whose ops have ``memory_row`` (-1: none)."""
+        k, v = self.key[ids], self.variant[ids]
+        row = memory_row[events // 2]
+        first = 2 * (self.memory_start[k] + v * self.memory_rows[k])  # each table's first byte count
+        index = np.where(row >= 0, first[:, None] + (2 * row + events % 2), self.alloc.size - 1)
+        return self.alloc.reshape(-1)[index], self.free.reshape(-1)[index]
 
     def layout(self, ids: np.ndarray) -> dict:
         """Configurations ``ids``' stage devices and links, one row each."""
@@ -508,21 +510,16 @@ def _groups(ids, template_of, size_of) -> list[list[tuple]]:
 
 def _stage_peaks(arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray, periods) -> np.ndarray:
     """``[len(groups) * Bg, _MAX_STAGES]`` each configuration's peak bytes per stage
-    (``ids``: the groups' rows, ``Bg`` per group): the product's rule, per template
-    (spare rows stay zero)."""
+    (``ids``: the groups' rows, ``Bg`` per group): the product's rule, per template,
+    from event bytes gathered straight from the flat tables (spare rows stay zero)."""
     b = _ROWS_PER_GROUP
-    memory = rows.memory(ids)
     stage_peak = np.zeros((len(ids), _MAX_STAGES))
     for i, (a, (_, members)) in enumerate(zip(arrays, groups, strict=True)):
         at = slice(i * b, i * b + len(members))
-        stage_peak[at] = stage_peak_memory(
-            a["template"],
-            memory["alloc"][at],
-            memory["free"][at],
-            memory["resident"][at],
-            a["steady"],
-            extra_periods=periods[ids[at]],
-            table_rows=a["memory_row"],
+        template = a["template"]
+        alloc, free = rows.event_bytes(ids[at], a["memory_row"], template.stage_events[0])
+        stage_peak[at] = event_stage_peaks(
+            template, alloc, free, rows.resident(ids[at]), a["steady"], extra_periods=periods[ids[at]]
         )
     return stage_peak
 

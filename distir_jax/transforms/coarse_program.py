@@ -54,6 +54,7 @@ __all__ = [
     "balanced_layers",
     "chunk_tables",
     "coarse_pipeline_program",
+    "event_stage_peaks",
     "links_by_kind",
     "part_coefficients",
     "realize",
@@ -824,26 +825,39 @@ def stage_peak_memory(
     resident,
     steady: SteadyTemplate | None = None,
     extra_periods=None,
-    table_rows=None,
 ) -> np.ndarray:
     """Peak bytes of each stage's device, ``[S, p]``: :func:`~distir_jax.lower.peak_memory`'s
     program-order rule, with the events sorted by stage once per template.
 
-    With ``steady`` (``template`` being its short one), the long program's: each
-    copy of the period moves a stage's running bytes by the period's net, so the
+    ``alloc`` and ``free`` are ``[S, N, 2]`` bytes per op and resource slot. With
+    ``steady`` (``template`` being its short one), the long program's: each copy
+    of the period moves a stage's running bytes by the period's net, so the
     copies peak at the first one's rise plus ``max(0, r * net)`` and everything
     after them at its short rise plus ``r * net``. ``extra_periods`` (``[S]``)
     gives each row its own ``r`` instead of ``steady.extra_periods`` (rows of
-    one short template standing for different long ones). With ``table_rows``
-    (``[N]``), ``alloc`` and ``free`` are ``[S, M, 2]`` tables and op ``i``'s
-    bytes are their row ``table_rows[i]``.
+    one short template standing for different long ones).
     """
     perm, _ = template.stage_events
-    stages, starts, _ = template.stage_runs
     s = alloc.shape[0]
-    events = perm if table_rows is None else 2 * np.asarray(table_rows)[perm // 2] + perm % 2
-    freed = free.reshape(s, -1)[:, events]
-    delta = alloc.reshape(s, -1)[:, events] - freed
+    return event_stage_peaks(
+        template, alloc.reshape(s, -1)[:, perm], free.reshape(s, -1)[:, perm], resident, steady, extra_periods
+    )
+
+
+def event_stage_peaks(
+    template: PipelineTemplate,
+    alloc,
+    free,
+    resident,
+    steady: SteadyTemplate | None = None,
+    extra_periods=None,
+) -> np.ndarray:
+    """:func:`stage_peak_memory` from the bytes of each stage event, ``[S, E]`` each,
+    in ``template.stage_events`` order (event ``e`` is op slot ``perm[e]``): for
+    callers that gather them from tables of their own in one pass."""
+    stages, starts, _ = template.stage_runs
+    freed = np.asarray(free)
+    delta = alloc - freed
     level = np.cumsum(delta, axis=1)  # bytes after each event, counted from the first stage's start
     # An event's top (its level before it, plus what it allocates) is ``level + freed``;
     # each stage's rise is its largest top above the level its run starts from.
