@@ -12,7 +12,7 @@ replica, not one representative) and run the reference simulator. The loop is
 timed on a random sample of valid configurations and extrapolated to all of
 them (invalid ones cost the loop nothing: it skips them after validation).
 This VM's speed drifts by tens of percent over tens of seconds, so the fast
-sweep runs three times, each cold (the first in this process, the others in
+sweep runs five times, each cold (the first in this process, the others in
 fresh processes), with the loop's samples timed in batches between them; the
 speedup is the median sweep against the mean loop.
 
@@ -190,11 +190,11 @@ def main() -> None:
         "--repeats",
         type=int,
         default=None,
-        help="cold fast-engine sweeps in part (a), the loop timed between them (default 3; 1 with --quick)",
+        help="cold fast-engine sweeps in part (a), the loop timed between them (default 5; 1 with --quick)",
     )
     args = parser.parse_args()
     samples = args.loop_samples or (10 if args.quick else 30)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 5)
     if samples < 1 or repeats < 1 or repeats > samples:
         raise SystemExit(f"need 1 <= --repeats <= --loop-samples, got {repeats} and {samples}")
     print(
