@@ -407,6 +407,8 @@ SCHEDULE_CASES = [
     ("interleaved", 3, 9, 2),
     ("interleaved", 2, 4, 3),
     ("interleaved", 4, 8, 3),
+    ("1f1b", 32, 40, 1),  # deep enough for device-by-device sweeps (estimated_times)
+    ("interleaved", 32, 64, 2),
 ]
 
 

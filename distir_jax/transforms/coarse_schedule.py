@@ -201,16 +201,19 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
     flat_finish = finish.reshape(-1)  # a view: row updates show through it
     # A device's finishes from its steps' inputs: ``total`` plus the largest wait so
     # far. Iterated from ``total`` up, this reaches the least fixed point, whatever
-    # the order rows are updated in; rows in device order and then back (forward
-    # inputs come from the device before, backward ones from the one after) carry a
-    # chain of waits across every device in one sweep: 2-3 sweeps for 1F1B and
-    # interleaved orders, where updating all rows at once took ~2p.
-    sweep = list(range(p)) + list(range(p - 2, 0, -1))
+    # the order rows are updated in. Deep pipelines update rows in device order and
+    # then back (forward inputs come from the device before, backward ones from the
+    # one after), which carries a chain of waits across every device in one sweep:
+    # 2-3 sweeps for 1F1B and interleaved orders, where updating all rows at once
+    # takes ~2p iterations. On small arrays the vectorized update is the cheaper.
+    rows = [slice(None)]  # all at once
+    if p >= 32 and m >= 16:
+        rows = list(range(p)) + list(range(p - 2, 0, -1))
     for _ in range(2 * p * m + 2):
         changed = False
-        for d in sweep:
+        for d in rows:
             wait = np.where(has_dep[d], flat_finish[dep_index[d]], 0.0) - before[d]
-            new = total[d] + np.maximum.accumulate(np.maximum(wait, 0.0))
+            new = total[d] + np.maximum.accumulate(np.maximum(wait, 0.0), axis=-1)
             if not np.array_equal(new, finish[d]):
                 finish[d], changed = new, True
         if not changed:
