@@ -661,14 +661,17 @@ def simulate_configs(
     # The kernel's shapes are fixed: it compiles (in the background) while the host builds tables.
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     kernel = _Kernel()
+    # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
+    long_of = [(c.pipeline, c.microbatches, c.virtual_stages, c.schedule, c.mode) for c in configs]
+    # Every long pipeline that has a short one: short templates are shared by every k. They
+    # are built in another thread while this one fills the tables (their long arrays let
+    # numpy release the GIL; the tables' short ones keep it).
+    steady_of = _PEAKS.submit(lambda: {key: _steady(key) if steady else None for key in set(long_of)})
     rows = _Rows(model, topology, configs)
     kernel.load(rows.cost, hardware_rows(hardware, per_config_structure=True, xp=np))
     phases["features"] = time.perf_counter() - begin
     tick = time.perf_counter()
-    # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
-    long_of = [(c.pipeline, c.microbatches, c.virtual_stages, c.schedule, c.mode) for c in configs]
-    # Every long pipeline that has a short one: short templates are shared by every k.
-    steady_of = {key: _steady(key) if steady else None for key in set(long_of)}
+    steady_of = steady_of.result()
     short, template_of = {}, []
     periods = np.zeros(len(configs))
     for i, key in enumerate(long_of):
