@@ -389,23 +389,22 @@ def _core(p, k, v, schedule, step_costs) -> dict:
     consumer = np.concatenate([position[0, act_c + 1, act_m], position[1, grad_c - 1, act_m]])
     order = issue_order(start, finish, producer, consumer)
     num_messages = len(producer)
-    rank = np.empty(len(order), np.int64)
-    rank[order] = 2 * np.arange(len(order))
     msg_kind = np.repeat([SEND_ACTIVATION, SEND_GRADIENT], (n - 1) * k)
     msg_chunk = np.concatenate([act_c, grad_c])
     receiver = np.where(msg_kind == SEND_ACTIVATION, msg_chunk + 1, msg_chunk - 1) % p
+    # Events in issue order (rank: twice the position, leaving room for what follows an event).
     return dict(
         p=p,
         k=k,
         v=v,
         schedule=schedule,
-        rank=rank,
-        kind=np.concatenate([np.where(flat_bwd, B, F), msg_kind]),
-        chunk=np.concatenate([flat_chunk, msg_chunk]),
-        mb=np.concatenate([flat_mb, act_m, act_m]),
-        stage=np.concatenate([device, msg_chunk % p]),
-        stage2=np.concatenate([np.full(p * m, -1), receiver]),
-        last_backward=np.concatenate([flat_bwd & (flat_mb == k - 1), np.zeros(num_messages, bool)]),
+        rank=2 * np.arange(len(order)),
+        kind=np.concatenate([np.where(flat_bwd, B, F), msg_kind])[order],
+        chunk=np.concatenate([flat_chunk, msg_chunk])[order],
+        mb=np.concatenate([flat_mb, act_m, act_m])[order],
+        stage=np.concatenate([device, msg_chunk % p])[order],
+        stage2=np.concatenate([np.full(p * m, -1), receiver])[order],
+        last_backward=np.concatenate([flat_bwd & (flat_mb == k - 1), np.zeros(num_messages, bool)])[order],
     )
 
 
@@ -470,12 +469,18 @@ def _build_template(
     ev_segment = None
     if core["segment"] is not None:
         ev_segment = np.concatenate([core["segment"], core["segment"][reduces], end_segment])
-    rank = np.concatenate([core["rank"], core["rank"][reduces] + 1, end_rank])
-    order = np.argsort(rank, kind="stable")
+    # The core's events are in rank order: each reduction goes right after its event
+    # (rank + 1), the ends after all of them (in rank order among themselves), so the
+    # merged order needs no sort.
+    num_ops = num_events + num_red + num_end
+    order = np.empty(num_ops, np.int64)
+    at = np.arange(num_events) + np.cumsum(reduces) - reduces  # each event's new position
+    order[at] = np.arange(num_events)
+    order[at[reduces] + 1] = num_events + np.arange(num_red)
+    order[num_events + num_red :] = num_events + num_red + np.argsort(end_rank, kind="stable")
     kind, ev_chunk, ev_mb = kind[order], ev_chunk[order], ev_mb[order]
     ev_stage, ev_stage2, ev_stream = ev_stage[order], ev_stage2[order], ev_stream[order]
     ev_segment = None if ev_segment is None else ev_segment[order]
-    num_ops = len(kind)
     op = np.arange(num_ops)
     position = np.empty(num_ops, np.int64)
     position[order] = op
