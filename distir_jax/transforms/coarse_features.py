@@ -464,6 +464,7 @@ def _data_parallel_cached(grad_types: tuple, degree: int, zero: bool):
     return reduce, gather
 
 
+@functools.lru_cache(maxsize=4096)  # by identity: cheaper to look up than hashing the types
 def _data_parallel(features: LayerFeatures, degree: int, zero: bool):
     if degree < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {degree}")

@@ -664,6 +664,7 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=4096)  # by identity: cheaper to look up than hashing the gradients
 def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool) -> np.ndarray:
     """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
 
