@@ -217,10 +217,13 @@ def _template_arrays(template, steady=None) -> dict:
     resource = np.stack(
         [stage[:, 0] * 2 + template.stream, np.where(stage[:, 1] >= 0, stage[:, 1] * 2, -1)], 1
     )
-    ops = pack_ops(resource, template.dep_slot[:, 0], template.out_slot, column, _RESOURCES, _MAX_SLOTS)
     n, c = template.num_ops, _OP_CHUNK
     chunks = -(-n // c)
-    ops = np.concatenate([ops, _padding(chunks * c - n)]).reshape(chunks, c, 5)
+    ops = np.empty((chunks * c, 5), np.int32)
+    ops[n:] = _padding(1)
+    dep_slot, out_slot = template.dep_slot[:, 0], template.out_slot
+    pack_ops(resource, dep_slot, out_slot, column, _RESOURCES, _MAX_SLOTS, out=ops[:n])
+    ops = ops.reshape(chunks, c, 5)
     # Seconds columns as [cost row, stage, second stage, link kind], padded with cost row -1 (zero seconds).
     units = np.full((_SECONDS_COLUMNS, 4), -1, np.int32)
     units[: len(first)] = np.column_stack([cost_row[first], stage[first], kind[first]])

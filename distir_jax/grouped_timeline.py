@@ -59,7 +59,9 @@ def start_grouped(groups: int, resources: int, slots: int, rows: int, dtype=None
     )
 
 
-def pack_ops(resource, dep_slot, out_slot, seconds_column, num_resources: int, num_slots: int) -> np.ndarray:
+def pack_ops(
+    resource, dep_slot, out_slot, seconds_column, num_resources: int, num_slots: int, out=None
+) -> np.ndarray:
     """One template's ops as ``[N, 5]`` int32 for :func:`run_grouped`.
 
     Args:
@@ -68,6 +70,8 @@ def pack_ops(resource, dep_slot, out_slot, seconds_column, num_resources: int, n
       out_slot: ``[N]`` the slot its finish time goes to (-1: none).
       seconds_column: ``[N]`` its column of the group's seconds table.
       num_resources, num_slots: ``R`` and ``S`` of the timeline.
+      out: an ``[N, 5]`` int32 array to write them into (e.g. the first rows of a
+        padded buffer), instead of a new one.
     """
     resource = np.asarray(resource)
     first, second = resource[:, 0], resource[:, 1]
@@ -79,16 +83,13 @@ def pack_ops(resource, dep_slot, out_slot, seconds_column, num_resources: int, n
     for name, slot in (("dep_slot", dep_slot), ("out_slot", out_slot)):
         if np.size(slot) and np.max(slot) >= num_slots:
             raise ValueError(f"{name} {np.max(slot)} is past the timeline's {num_slots} slots")
-    return np.stack(
-        [
-            first,
-            np.where(second >= 0, second, first),
-            np.where(np.asarray(dep_slot) >= 0, dep_slot, num_slots),
-            np.where(np.asarray(out_slot) >= 0, out_slot, num_slots + 1),
-            seconds_column,
-        ],
-        axis=1,
-    ).astype(np.int32)
+    out = np.empty((len(first), 5), np.int32) if out is None else out
+    out[:, 0] = first
+    out[:, 1] = np.where(second >= 0, second, first)
+    out[:, 2] = np.where(np.asarray(dep_slot) >= 0, dep_slot, num_slots)
+    out[:, 3] = np.where(np.asarray(out_slot) >= 0, out_slot, num_slots + 1)
+    out[:, 4] = seconds_column
+    return out
 
 
 def padding_ops(count: int, num_resources: int, num_slots: int, zero_column: int) -> np.ndarray:

@@ -118,3 +118,13 @@ def test_pack_ops_rejects_ops_without_a_first_resource_or_past_the_slots():
         pack_ops(np.array([[0, R]]), **ok, num_resources=R, num_slots=S)
     with pytest.raises(ValueError, match="out_slot 4 is past"):
         pack_ops(np.array([[0, -1]]), np.array([-1]), np.array([S]), np.array([0]), R, S)
+
+
+def test_pack_ops_writes_into_a_given_buffer():
+    resource, column = np.array([[0, -1], [1, 2]]), np.array([3, 1])
+    dep, out = np.array([-1, 0]), np.array([0, -1])
+    buffer = np.full((3, 5), 99, np.int32)
+    pack_ops(resource, dep, out, column, R, S, out=buffer[:2])
+    np.testing.assert_array_equal(buffer[:2], pack_ops(resource, dep, out, column, R, S))
+    np.testing.assert_array_equal(buffer[:2], [[0, 0, S, 0, 3], [1, 2, 0, S + 1, 1]])
+    assert np.all(buffer[2] == 99)
