@@ -44,10 +44,11 @@ whose steady period stands for the rest (:mod:`distir_jax.transforms.coarse_stea
 short templates are shared by every longer ``k``): ~2.2e7 ops in all. The
 kernel runs in float64 here, so the period's certificate (every resource's
 clock moves by the same amount) holds to ~1e-12; a row that fails it is
-simulated at full length. Where the time goes on a 2-core CPU (~3.5-4.5 s in
+simulated at full length. Where the time goes on a 2-core CPU (~3.2-4 s in
 all, see ``benchmarks/RESULTS.md``): measuring blocks and filling chunk tables
-(~1.2 s), steady templates (~0.6 s), then templates, call assembly and peak
-memory (~1.5-2 s, the kernel's ~1 s overlapped).
+(~1-1.5 s; the steady templates, ~0.6 s, are built meanwhile in a worker
+thread), then the other templates, call assembly and peak memory (~1.5-2 s,
+the kernel's ~1 s overlapped).
 """
 
 from __future__ import annotations

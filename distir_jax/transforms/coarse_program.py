@@ -679,7 +679,6 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
     return _layer_reduction_peak(features, layers, p, data, zero)
 
 
-@functools.lru_cache(maxsize=4096)
 def _layer_reduction_peak(
     features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool
 ) -> np.ndarray:
