@@ -155,8 +155,9 @@ def measure_grouped(groups: int, rows: int, num_ops: int, slice_ops: int = 512) 
 
     def run_general_calls():
         state = start_timeline(resources, slots, b)
-        state = state._replace(clock=state.clock.astype(jnp.float32), finish=state.finish.astype(jnp.float32))
-        state = state._replace(busy=state.busy.astype(jnp.float32))
+        state = state._replace(
+            **{name: getattr(state, name).astype(jnp.float32) for name in ("clock", "finish", "busy")}
+        )
         for j in range(0, num_ops, slice_ops):
             at = slice(j, j + slice_ops)
             fields = (structure[name][:, at] for name in ("resource", "dep_slot", "out_slot"))

@@ -395,11 +395,12 @@ class _Rows:
         )
         # Each key's tables flat, one after the other: a configuration's table ``x``
         # starts at ``start[x][key] + variant * rows[x][key]``.
-        self.cost, self.steps_rows, self.steps_start = _flat(
+        # (A step table's rows are its keys' ``split``.)
+        self.cost, rows, start = _flat(
             steps + [t.cost[:, split:] for t, split in zip(tables, self.split, strict=True)]
         )
-        self.steps_rows, self.cost_rows = self.steps_rows[: len(steps)], self.steps_rows[len(steps) :]
-        self.steps_start, self.cost_start = self.steps_start[: len(steps)], self.steps_start[len(steps) :]
+        self.cost_rows = rows[len(steps) :]
+        self.steps_start, self.cost_start = start[: len(steps)], start[len(steps) :]
         self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables], pad=1)
         self.free = _flat([t.free for t in tables], pad=1)[0]
         self.resident_bytes, _, self.resident_start = _flat([_widen(t.resident, _MAX_STAGES) for t in tables])
