@@ -195,7 +195,7 @@ def _template_arrays(template, steady=None) -> dict:
     """A template's packed ops (:func:`~distir_jax.grouped_timeline.pack_ops`) cut
     into ``[chunks, _OP_CHUNK, 5]`` slices (padded past its end), the seconds
     columns they read (``units``: cost row, stages and link kind of each), and
-    each op's row of the memory tables. With ``steady`` (a
+    each memory event's row and resource slot in the memory tables. With ``steady`` (a
     :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`), also the
     period's finish slots: each resource's clock before and after it.
     """
@@ -228,7 +228,11 @@ def _template_arrays(template, steady=None) -> dict:
     # Seconds columns as [cost row, stage, second stage, link kind], padded with cost row -1 (zero seconds).
     units = np.full((_SECONDS_COLUMNS, 4), -1, np.int32)
     units[: len(first)] = np.column_stack([cost_row[first], stage[first], kind[first]])
-    out = dict(ops=ops, units=units, memory_row=memory_row, template=template, steady=steady)
+    # Each memory event's (memory row, resource slot) as one index, -1: none.
+    events = template.stage_events[0]
+    row = memory_row[events // 2]
+    event_slot = np.where(row >= 0, 2 * row + events % 2, -1)
+    out = dict(ops=ops, units=units, event_slot=event_slot, template=template, steady=steady)
     out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     if steady is not None:
@@ -401,8 +405,8 @@ class _Rows:
         )
         self.cost_rows = rows[len(steps) :]
         self.steps_start, self.cost_start = start[: len(steps)], start[len(steps) :]
-        self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables], pad=1)
-        self.free = _flat([t.free for t in tables], pad=1)[0]
+        self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables])
+        self.free = _flat([t.free for t in tables])[0]
         self.resident_bytes, _, self.resident_start = _flat([_widen(t.resident, _MAX_STAGES) for t in tables])
 
     def features(self, tensor: int, recompute: str):
@@ -417,14 +421,24 @@ class _Rows:
         resident[row, self.last[k]] += self.data[ids]
         return resident
 
-    def event_bytes(self, ids: np.ndarray, memory_row: np.ndarray, events: np.ndarray):
-        """``(alloc, free)``, ``[len(ids), E]`` each: configurations ``ids``' bytes at
-        op slots ``events`` of a template whose ops have ``memory_row`` (-1: none)."""
+    def event_bytes(self, ids: np.ndarray, event_slot: np.ndarray):
+        """``(net, free)``, ``[len(ids), E]`` each: configurations ``ids``' bytes
+        allocated minus freed, and freed, at each memory event of one template
+        (``event_slot``: its memory row and resource slot, ``2 * row + slot``; -1: none).
+
+        Each configuration's table is gathered first (a few hundred numbers), then
+        the events from it: the large gathers read a small block that stays in cache."""
         k, v = self.key[ids], self.variant[ids]
-        row = memory_row[events // 2]
+        width = 2 * int(self.memory_rows[k[0]])  # one template: tables of one size
         first = 2 * (self.memory_start[k] + v * self.memory_rows[k])  # each table's first byte count
-        index = np.where(row >= 0, first[:, None] + (2 * row + events % 2), self.alloc.size - 1)
-        return self.alloc.reshape(-1)[index], self.free.reshape(-1)[index]
+        index = first[:, None] + np.arange(width)
+        # A last column of zeros: slot -1 reads it.
+        free = np.zeros((len(ids), width + 1))
+        free[:, :width] = self.free.reshape(-1)[index]
+        net = np.zeros_like(free)
+        np.subtract(self.alloc.reshape(-1)[index], free[:, :width], out=net[:, :width])
+        # np.take returns C-ordered rows (fancy indexing on axis 1 would not: cumsum is 3x slower there).
+        return np.take(net, event_slot, axis=1), np.take(free, event_slot, axis=1)
 
     def layout(self, ids: np.ndarray) -> dict:
         """Configurations ``ids``' stage devices and links, one row each."""
@@ -441,13 +455,12 @@ class _Rows:
         return np.stack([steps, other, self.split[k]], axis=1).astype(np.int32)
 
 
-def _flat(tables: list[np.ndarray], pad: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``[S, M, ...]`` tables as one ``[sum S * M + pad, ...]`` array (``pad`` zero rows
-    after them), with each table's ``M`` and first row."""
+def _flat(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[S, M, ...]`` tables as one ``[sum S * M, ...]`` array, with each table's ``M`` and first row."""
     rows = np.asarray([t.shape[1] for t in tables])
     start = np.cumsum([0] + [t.shape[0] * t.shape[1] for t in tables])[:-1]
     tail = tables[0].shape[2:]
-    flat = np.concatenate([t.reshape((-1,) + tail) for t in tables] + [np.zeros((pad,) + tail)])
+    flat = np.concatenate([t.reshape((-1,) + tail) for t in tables])
     return flat, rows, start
 
 
@@ -522,9 +535,9 @@ def _stage_peaks(arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray,
     for i, (a, (_, members)) in enumerate(zip(arrays, groups, strict=True)):
         at = slice(i * b, i * b + len(members))
         template = a["template"]
-        alloc, free = rows.event_bytes(ids[at], a["memory_row"], template.stage_events[0])
+        net, free = rows.event_bytes(ids[at], a["event_slot"])
         stage_peak[at] = event_stage_peaks(
-            template, alloc, free, rows.resident(ids[at]), a["steady"], extra_periods=periods[ids[at]]
+            template, net, free, rows.resident(ids[at]), a["steady"], extra_periods=periods[ids[at]]
         )
     return stage_peak
 

@@ -839,41 +839,46 @@ def stage_peak_memory(
     """
     perm, _ = template.stage_events
     s = alloc.shape[0]
-    return event_stage_peaks(
-        template, alloc.reshape(s, -1)[:, perm], free.reshape(s, -1)[:, perm], resident, steady, extra_periods
-    )
+    free = np.asarray(free).reshape(s, -1)
+    net = (np.asarray(alloc).reshape(s, -1) - free)[:, perm]
+    return event_stage_peaks(template, net, free[:, perm], resident, steady, extra_periods)
 
 
 def event_stage_peaks(
     template: PipelineTemplate,
-    alloc,
+    net,
     free,
     resident,
     steady: SteadyTemplate | None = None,
     extra_periods=None,
 ) -> np.ndarray:
-    """:func:`stage_peak_memory` from the bytes of each stage event, ``[S, E]`` each,
-    in ``template.stage_events`` order (event ``e`` is op slot ``perm[e]``): for
-    callers that gather them from tables of their own in one pass."""
+    """:func:`stage_peak_memory` from each stage event's net bytes (allocated
+    minus freed) and freed bytes, ``[S, E]`` float64 each, in
+    ``template.stage_events`` order (event ``e`` is op slot ``perm[e]``): for
+    callers that gather them from tables of their own in one pass. Both
+    arrays are overwritten (they are the largest ones here: no copies)."""
     stages, starts, _ = template.stage_runs
-    freed = np.asarray(free)
-    delta = alloc - freed
-    level = np.cumsum(delta, axis=1)  # bytes after each event, counted from the first stage's start
-    # An event's top (its level before it, plus what it allocates) is ``level + freed``;
+    delta = net
+    # Values at the few events read later, before the running sums overwrite them.
+    first_delta = delta[:, starts]
+    if steady is not None:
+        runs, run_stage, run_part, stage_runs, (first, last) = steady.stage_part_runs
+        q0, q1 = np.maximum(first, 0), np.maximum(last, 0)
+        q0_delta = delta[:, q0]
+    level = np.cumsum(delta, axis=1, out=delta)  # bytes after each event, counted from the first stage's start
+    # An event's top (its level before it, plus what it allocates) is ``level + free``;
     # each stage's rise is its largest top above the level its run starts from.
-    base = level[:, starts] - delta[:, starts]  # [S, stages]
+    base = level[:, starts] - first_delta  # [S, stages]
     if steady is None:
-        rise = np.maximum.reduceat(level + freed, starts, axis=1) - base
+        rise = np.maximum.reduceat(np.add(level, free, out=free), starts, axis=1) - base
     else:
         # Tops per (stage, part) run, parts A, Q, Z in program order: each copy of the
         # period moves a stage's level by the period's net, so Q's copies top out at
         # the first one's plus ``max(0, r * net)`` and Z at its own plus ``r * net``.
-        runs, run_stage, run_part, stage_runs, (first, last) = steady.stage_part_runs
-        top = np.maximum.reduceat(level + freed, runs, axis=1) - base[:, run_stage]  # [S, runs]
-        q0, q1 = np.maximum(first, 0), np.maximum(last, 0)
-        net = np.where(first >= 0, level[:, q1] - level[:, q0] + delta[:, q0], 0.0)  # [S, stages]
+        period_net = np.where(first >= 0, level[:, q1] - level[:, q0] + q0_delta, 0.0)  # [S, stages]
+        top = np.maximum.reduceat(np.add(level, free, out=free), runs, axis=1) - base[:, run_stage]
         r = steady.extra_periods if extra_periods is None else np.reshape(extra_periods, (-1, 1))
-        moved = (r * net)[:, run_stage]
+        moved = (r * period_net)[:, run_stage]
         top += np.where(run_part == 1, np.maximum(moved, 0.0), np.where(run_part == 2, moved, 0.0))
         rise = np.maximum.reduceat(top, stage_runs, axis=1)
     peak = np.array(resident, np.float64, copy=True)
