@@ -124,6 +124,9 @@ _RESOURCES = 2 * _MAX_STAGES
 # Seconds columns per template: its distinct (cost row, stages, link kind)
 # combinations (at most 6 per chunk and 2 per stage), then a zero column for padding.
 _SECONDS_COLUMNS = 6 * _MAX_CHUNKS + 2 * _MAX_STAGES + 1
+# Durations are computed for the columns a call's templates use only (~1/6 of
+# the table), this many at a time, and scattered into the table.
+_UNITS_PER_FILL = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,9 +228,8 @@ def _template_arrays(template, steady=None) -> dict:
     dep_slot, out_slot = template.dep_slot[:, 0], template.out_slot
     pack_ops(resource, dep_slot, out_slot, column, _RESOURCES, _MAX_SLOTS, out=ops[:n])
     ops = ops.reshape(chunks, c, 5)
-    # Seconds columns as [cost row, stage, second stage, link kind], padded with cost row -1 (zero seconds).
-    units = np.full((_SECONDS_COLUMNS, 4), -1, np.int32)
-    units[: len(first)] = np.column_stack([cost_row[first], stage[first], kind[first]])
+    # Seconds columns as [cost row, stage, second stage, link kind].
+    units = np.column_stack([cost_row[first], stage[first], kind[first]]).astype(np.int32)
     # Each memory event's (memory row, resource slot) as one index, -1: none.
     events = template.stage_events[0]
     row = memory_row[events // 2]
@@ -309,29 +311,42 @@ class _Kernel:
             cost, hw_rows = jax.device_put((cost, hw_rows))
             g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
             shape = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
-            durations = _durations.lower(
+            u = _UNITS_PER_FILL
+            fill = _fill.lower(
+                jax.ShapeDtypeStruct((g, _SECONDS_COLUMNS, b), np.float64),
                 cost,
                 shape(g * b, 3),
-                shape(g, _SECONDS_COLUMNS, 4),
+                shape(u, 4),
+                shape(u),
+                shape(u),
                 shape(g * b, _MAX_STAGES),
                 shape(g * b, _MAX_STAGES, 2),
                 shape(g * b, _MAX_STAGES, 2),
                 hw_rows,
             ).compile()
-            return cost, hw_rows, durations
+            return cost, hw_rows, fill
 
     def __call__(self, columns, slices, before, after, periods) -> concurrent.futures.Future:
         """Issues one call in the background (after the earlier ones): its op durations
-        from ``columns`` (:func:`_call_seconds`' arguments after the loaded tables), then
-        its groups' slices of ops (``slices`` yields them). The future's result is the
-        call's ``(step times, certified)`` on the host."""
+        from ``columns`` (``(base, units, unit group, unit column, device, tp_link,
+        dp_link)``: :func:`_fill_seconds`' arguments, units a multiple of
+        ``_UNITS_PER_FILL``), then its groups' slices of ops (``slices`` yields
+        them). The future's result is the call's ``(step times, certified)`` on the host."""
         return _WORKER.submit(self._issue, columns, slices, before, after, periods)
 
     def _issue(self, columns, slices, before, after, periods):
         advance = self.future.result()
-        cost, hw_rows, durations = self.tables.result()
+        cost, hw_rows, fill = self.tables.result()
+        base, units, unit_group, unit_column, *layout = columns
+        g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
         with jax.enable_x64(True):  # a `with` does not reach other threads
-            state, seconds = jax.device_put(_start()), durations(cost, *columns, hw_rows)
+            state, seconds = jax.device_put((_start(), np.zeros((g, _SECONDS_COLUMNS, b))))
+            base, *layout = jax.device_put((base, *layout))
+            for at in range(0, len(units), _UNITS_PER_FILL):
+                part = slice(at, at + _UNITS_PER_FILL)
+                seconds = fill(
+                    seconds, cost, base, units[part], unit_group[part], unit_column[part], *layout, hw_rows
+                )
             for ops in slices:
                 state = advance(state, jax.device_put(ops), seconds)
             return _end_call(jax.device_get(state), before, after, periods)
@@ -471,24 +486,26 @@ def _widen(table: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def _call_seconds(cost, base, units, device, tp_link, dp_link, hw_rows):
-    """``[G, _SECONDS_COLUMNS, Bg]``: each group's seconds columns for each of its
-    rows, zero past a template's columns (jitted; it runs in the kernel's thread).
+def _fill_seconds(table, cost, base, units, unit_group, unit_column, device, tp_link, dp_link, hw_rows):
+    """``table`` (``[G, _SECONDS_COLUMNS, Bg]``, donated) with ``U`` of its groups'
+    seconds columns computed for each of their rows (jitted; it runs in the
+    kernel's thread).
 
     Args:
       cost: ``[T, F]`` every key's cost tables, flat (``_Rows.cost``).
       base: ``[G * Bg, 3]`` where each row's step rows and other rows start in
         ``cost``, and its first other row (``_Rows.cost_base``).
-      units: ``[G, _SECONDS_COLUMNS, 4]`` each group's columns: cost row,
-        stage, second stage and link kind (cost row -1: no column).
+      units: ``[U, 4]`` the columns: cost row, stage, second stage and link
+        kind (cost row -1: zero seconds).
+      unit_group, unit_column: ``[U]`` where each goes in ``table``.
       device, tp_link, dp_link: ``[G * Bg, _MAX_STAGES(, 2)]`` each row's stage devices and links.
       hw_rows: the hardware's :class:`~distir_jax.kernel.HardwareRows` (one hardware).
     """
-    g, b = units.shape[0], base.shape[0] // units.shape[0]
-    cost_row, stage, second, kind = (units[:, :, None, i] for i in range(4))  # [G, W, 1] each
-    row = jnp.arange(g * b).reshape(g, 1, b)
-    steps, other, split = (base[:, i].reshape(g, 1, b) for i in range(3))
-    features = cost[jnp.where(cost_row < split, steps, other) + jnp.maximum(cost_row, 0)]  # [G, W, Bg, F]
+    b = table.shape[2]
+    cost_row, stage, second, kind = (units[:, i, None] for i in range(4))  # [U, 1] each
+    row = unit_group[:, None] * b + jnp.arange(b)[None, :]  # [U, Bg]
+    steps, other, split = (base[row, i] for i in range(3))
+    features = cost[jnp.where(cost_row < split, steps, other) + jnp.maximum(cost_row, 0)]  # [U, Bg, F]
     first = jnp.maximum(stage, 0)
     sender = device[row, first]
     send = jnp.stack([sender, jnp.where(second >= 0, device[row, jnp.maximum(second, 0)], -1)], -1)
@@ -496,10 +513,10 @@ def _call_seconds(cost, base, units, device, tp_link, dp_link, hw_rows):
     speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, jnp))
     speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
     seconds = op_seconds(jnp, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)
-    return jnp.where(cost_row >= 0, seconds, 0.0)
+    return table.at[unit_group, unit_column].set(jnp.where(cost_row >= 0, seconds, 0.0))
 
 
-_durations = jax.jit(_call_seconds)
+_fill = jax.jit(_fill_seconds, donate_argnums=0)
 
 
 def _slices(ops: list[np.ndarray], pad: np.ndarray):
@@ -567,7 +584,7 @@ _PEAK_PARTS = 4
 _PEAKS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sweep-gpt3-peaks")
 
 
-def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods):
+def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templates: dict):
     """Builds templates on first use, fills every call and issues it; returns
     ``[(ids, stage peaks, devices, rows, result)]`` per call (``rows``: where
     ``ids`` are among the call's rows, which the futures ``stage peaks`` and
@@ -576,9 +593,9 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods):
     Calls run asynchronously, so building the next templates, slices and peaks
     on the host overlaps the kernel running the previous ones. ``short`` maps
     the keys of steady templates to their SteadyTemplate; ``periods`` gives
-    each configuration's extra periods (0 for a long template).
+    each configuration's extra periods (0 for a long template); ``templates``
+    holds the arrays built so far, by kernel key (it gains the new ones).
     """
-    templates = {}
     pad = _padding(_OP_CHUNK)
     g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
     issued = []
@@ -603,9 +620,19 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods):
             issued.append((ids[real], stage_peak, out["device"][real], real, None))
             continue
         arrays += [arrays[0]] * (g - len(arrays))  # spare groups
+        # Each group's seconds columns, one after the other (spare groups' stay zero).
+        units = [a["units"] for a in arrays[: len(groups)]]
+        count = sum(len(u) for u in units)
+        padded = -(-count // _UNITS_PER_FILL) * _UNITS_PER_FILL
+        unit_group = np.zeros(padded, np.int32)
+        unit_group[:count] = np.repeat(np.arange(len(units)), [len(u) for u in units])
+        unit_column = np.full(padded, _SECONDS_COLUMNS - 1, np.int32)  # padding: the zero column
+        unit_column[:count] = np.concatenate([np.arange(len(u)) for u in units])
         columns = (
             rows.cost_base(ids),
-            np.stack([a["units"] for a in arrays]),
+            np.concatenate(units + [np.full((padded - count, 4), -1, np.int32)]),
+            unit_group,
+            unit_column,
             out["device"],
             out["tp_link"],
             out["dp_link"],
@@ -650,16 +677,28 @@ def gpt3_configs_per_second(
         return _gpt3(quick, fit_only, steady, verbose)
 
 
-def _steady(key: tuple):
-    """The steady template of a long template's key, or None. Interleaved
-    pipelines try ``4p`` short microbatches before the library's default ``5p``
-    (every row of this space certifies at ``4p`` at the time of writing;
-    a row that does not is simulated long)."""
-    p, _, _, schedule, _ = key
+def _short_candidates(schedule: str, p: int) -> tuple[int, ...]:
+    """Interleaved pipelines try ``4p`` short microbatches before the library's
+    default ``5p`` (every row of this space certifies at ``4p`` at the time of
+    writing; a row that does not is simulated long)."""
     candidates = short_candidates(schedule, p)
-    if schedule == "interleaved":
-        candidates = (4 * p,) + candidates
-    return steady_template(*key, short_microbatches=candidates)
+    return (4 * p,) + candidates if schedule == "interleaved" else candidates
+
+
+def _steady(key: tuple):
+    """The steady template of a long template's key, or None."""
+    p, _, _, schedule, _ = key
+    return steady_template(*key, short_microbatches=_short_candidates(schedule, p))
+
+
+def _never_steady(key: tuple) -> bool:
+    """Whether :func:`_steady` returns None for ``key`` whatever the periods found:
+    no short candidate fits ``k`` (1F1B and interleaved only, ``p >= 2``)."""
+    p, k, _, schedule, _ = key
+    if schedule not in ("1f1b", "interleaved") or p < 2:
+        return True
+    step = p if schedule == "interleaved" else 1  # microbatches per period
+    return not any(c + step <= k and (k - c) % step == 0 for c in _short_candidates(schedule, p))
 
 
 def simulate_configs(
@@ -689,6 +728,16 @@ def simulate_configs(
     kernel.load(rows.cost, hardware_rows(hardware, per_config_structure=True, xp=np))
     phases["features"] = time.perf_counter() - begin
     tick = time.perf_counter()
+    # While the worker finishes the steady templates, build long ones it will not
+    # replace (largest first, as the kernel calls want them); `_run` builds the rest.
+    templates = {}
+    for key in sorted(
+        {key for key in long_of if not steady or _never_steady(key)},
+        key=lambda key: -template_size(*key[:3], key[4])[0],
+    ):
+        if steady_of.done():
+            break
+        templates[key + (False,)] = _template_arrays(pipeline_template(*key))
     steady_of = steady_of.result()
     short, template_of = {}, []
     periods = np.zeros(len(configs))
@@ -716,7 +765,7 @@ def simulate_configs(
     todo = list(range(len(configs)))
     if fit_only:
         calls = _groups(todo, template_of, {i: size(i) for i in todo})
-        for ids, stage_peak, device, real, _ in _run(calls, rows, None, short, periods):
+        for ids, stage_peak, device, real, _ in _run(calls, rows, None, short, periods, templates):
             stage_peak = stage_peak.result()[real]
             peak[ids] = stage_peak.max(axis=1)
             fits = np.all((stage_peak <= device_capacity[np.maximum(device, 0)]) | (device < 0), axis=1)
@@ -729,7 +778,7 @@ def simulate_configs(
         """Simulates configurations ``ids``; returns those whose period was not certified."""
         calls = _groups(ids, template_of, {i: size(i) for i in ids})
         redo = set()
-        for members, stage_peak, device, real, result in _run(calls, rows, kernel, short, periods):
+        for members, stage_peak, device, real, result in _run(calls, rows, kernel, short, periods, templates):
             times, certified = (x[real] for x in result.result())
             stage_peak = stage_peak.result()[real]
             capacity = np.where(device >= 0, device_capacity[np.maximum(device, 0)], np.inf)
