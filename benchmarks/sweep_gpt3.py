@@ -19,12 +19,13 @@ differ in op durations only), and runs them ``_OP_CHUNK`` ops at a time,
 carrying the timeline from slice to slice, so one compiled kernel serves every
 call. Each step reads and writes a group's clocks at one index, ~10 ns per op
 and configuration on a CPU (the general kernel's per-row gathers cost
-~80-100). Op durations are computed per call by a jitted function, one column
-per distinct (cost row, stages, link) of a template, from one flat table of
-every key's cost rows put on the device once (the chunks' step rows stored
-once per (features, layers), shared by every pipeline depth and data-parallel
-mode). The kernel compiles, and its calls (durations, then slices) are issued,
-in a background thread while the host builds tables; XLA's CPU client runs on
+~80-100). Op durations are computed per call, one column per distinct (cost
+row, stages, link) of a template and only for the columns the call's templates
+use (~1/6 of its table), from one flat table of every key's cost rows (the
+chunks' step rows stored once per (features, layers), shared by every
+pipeline depth and data-parallel mode), in NumPy: compiling them would cost
+more than computing them. The kernel compiles, and its calls (durations, then
+slices) are issued, in a background thread while the host builds tables; XLA's CPU client runs on
 one intra-op thread (``NPROC=1``, see below). Peak memory needs no timeline:
 two more threads compute it per template, vectorized over its rows.
 
@@ -69,7 +70,6 @@ import types
 os.environ.setdefault("NPROC", "1")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from distir_jax.cost import COST_FEATURES, op_seconds
@@ -124,9 +124,6 @@ _RESOURCES = 2 * _MAX_STAGES
 # Seconds columns per template: its distinct (cost row, stages, link kind)
 # combinations (at most 6 per chunk and 2 per stage), then a zero column for padding.
 _SECONDS_COLUMNS = 6 * _MAX_CHUNKS + 2 * _MAX_STAGES + 1
-# Durations are computed for the columns a call's templates use only (~1/6 of
-# the table), this many at a time, and scattered into the table.
-_UNITS_PER_FILL = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,51 +299,26 @@ class _Kernel:
             return jax.jit(run_grouped, donate_argnums=0).lower(state, ops, seconds).compile()
 
     def load(self, cost: np.ndarray, hw_rows) -> None:
-        """Puts every key's cost tables (``_Rows.cost``) and the hardware on the device, once."""
-        self.tables = _WORKER.submit(self._load, cost, hw_rows)
-
-    @staticmethod
-    def _load(cost, hw_rows):
-        with jax.enable_x64(True):
-            cost, hw_rows = jax.device_put((cost, hw_rows))
-            g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
-            shape = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
-            u = _UNITS_PER_FILL
-            fill = _fill.lower(
-                jax.ShapeDtypeStruct((g, _SECONDS_COLUMNS, b), np.float64),
-                cost,
-                shape(g * b, 3),
-                shape(u, 4),
-                shape(u),
-                shape(u),
-                shape(g * b, _MAX_STAGES),
-                shape(g * b, _MAX_STAGES, 2),
-                shape(g * b, _MAX_STAGES, 2),
-                hw_rows,
-            ).compile()
-            return cost, hw_rows, fill
+        """Every key's cost tables (``_Rows.cost``) and the hardware, for the calls' durations."""
+        self.cost, self.hw_rows = cost, hw_rows
 
     def __call__(self, columns, slices, before, after, periods) -> concurrent.futures.Future:
         """Issues one call in the background (after the earlier ones): its op durations
         from ``columns`` (``(base, units, unit group, unit column, device, tp_link,
-        dp_link)``: :func:`_fill_seconds`' arguments, units a multiple of
-        ``_UNITS_PER_FILL``), then its groups' slices of ops (``slices`` yields
-        them). The future's result is the call's ``(step times, certified)`` on the host."""
+        dp_link)``, see :func:`_unit_seconds`), then its groups' slices of ops
+        (``slices`` yields them). The future's result is the call's ``(step
+        times, certified)`` on the host."""
         return _WORKER.submit(self._issue, columns, slices, before, after, periods)
 
     def _issue(self, columns, slices, before, after, periods):
         advance = self.future.result()
-        cost, hw_rows, fill = self.tables.result()
         base, units, unit_group, unit_column, *layout = columns
-        g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
+        seconds = np.zeros((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP))
+        seconds[unit_group, unit_column] = _unit_seconds(
+            self.cost, base, units, unit_group, *layout, self.hw_rows
+        )
         with jax.enable_x64(True):  # a `with` does not reach other threads
-            state, seconds = jax.device_put((_start(), np.zeros((g, _SECONDS_COLUMNS, b))))
-            base, *layout = jax.device_put((base, *layout))
-            for at in range(0, len(units), _UNITS_PER_FILL):
-                part = slice(at, at + _UNITS_PER_FILL)
-                seconds = fill(
-                    seconds, cost, base, units[part], unit_group[part], unit_column[part], *layout, hw_rows
-                )
+            state, seconds = jax.device_put((_start(), seconds))
             for ops in slices:
                 state = advance(state, jax.device_put(ops), seconds)
             return _end_call(jax.device_get(state), before, after, periods)
@@ -486,37 +458,31 @@ def _widen(table: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def _fill_seconds(table, cost, base, units, unit_group, unit_column, device, tp_link, dp_link, hw_rows):
-    """``table`` (``[G, _SECONDS_COLUMNS, Bg]``, donated) with ``U`` of its groups'
-    seconds columns computed for each of their rows (jitted; it runs in the
-    kernel's thread).
+def _unit_seconds(cost, base, units, unit_group, device, tp_link, dp_link, hw_rows):
+    """``[U, Bg]`` seconds of ``U`` seconds columns of a call's groups, for each
+    of their rows (NumPy, in the kernel's thread: a compiled function would cost
+    more to compile than this costs to run).
 
     Args:
       cost: ``[T, F]`` every key's cost tables, flat (``_Rows.cost``).
       base: ``[G * Bg, 3]`` where each row's step rows and other rows start in
         ``cost``, and its first other row (``_Rows.cost_base``).
-      units: ``[U, 4]`` the columns: cost row, stage, second stage and link
-        kind (cost row -1: zero seconds).
-      unit_group, unit_column: ``[U]`` where each goes in ``table``.
+      units: ``[U, 4]`` the columns: cost row, stage, second stage and link kind.
+      unit_group: ``[U]`` the group of each.
       device, tp_link, dp_link: ``[G * Bg, _MAX_STAGES(, 2)]`` each row's stage devices and links.
       hw_rows: the hardware's :class:`~distir_jax.kernel.HardwareRows` (one hardware).
     """
-    b = table.shape[2]
+    b = base.shape[0] // _GROUPS_PER_CALL
     cost_row, stage, second, kind = (units[:, i, None] for i in range(4))  # [U, 1] each
-    row = unit_group[:, None] * b + jnp.arange(b)[None, :]  # [U, Bg]
+    row = unit_group[:, None] * b + np.arange(b)  # [U, Bg]
     steps, other, split = (base[row, i] for i in range(3))
-    features = cost[jnp.where(cost_row < split, steps, other) + jnp.maximum(cost_row, 0)]  # [U, Bg, F]
-    first = jnp.maximum(stage, 0)
-    sender = device[row, first]
-    send = jnp.stack([sender, jnp.where(second >= 0, device[row, jnp.maximum(second, 0)], -1)], -1)
-    link = links_by_kind(kind, send, tp_link[row, first], dp_link[row, first], xp=jnp)
-    speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, jnp))
+    features = cost[np.where(cost_row < split, steps, other) + cost_row]  # [U, Bg, F]
+    sender = device[row, stage]
+    send = np.stack([sender, np.where(second >= 0, device[row, second], -1)], -1)
+    link = links_by_kind(kind, send, tp_link[row, stage], dp_link[row, stage], xp=np)
+    speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, np))
     speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
-    seconds = op_seconds(jnp, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)
-    return table.at[unit_group, unit_column].set(jnp.where(cost_row >= 0, seconds, 0.0))
-
-
-_fill = jax.jit(_fill_seconds, donate_argnums=0)
+    return op_seconds(np, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)
 
 
 def _slices(ops: list[np.ndarray], pad: np.ndarray):
@@ -622,17 +588,11 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templ
         arrays += [arrays[0]] * (g - len(arrays))  # spare groups
         # Each group's seconds columns, one after the other (spare groups' stay zero).
         units = [a["units"] for a in arrays[: len(groups)]]
-        count = sum(len(u) for u in units)
-        padded = -(-count // _UNITS_PER_FILL) * _UNITS_PER_FILL
-        unit_group = np.zeros(padded, np.int32)
-        unit_group[:count] = np.repeat(np.arange(len(units)), [len(u) for u in units])
-        unit_column = np.full(padded, _SECONDS_COLUMNS - 1, np.int32)  # padding: the zero column
-        unit_column[:count] = np.concatenate([np.arange(len(u)) for u in units])
         columns = (
             rows.cost_base(ids),
-            np.concatenate(units + [np.full((padded - count, 4), -1, np.int32)]),
-            unit_group,
-            unit_column,
+            np.concatenate(units),
+            np.repeat(np.arange(len(units)), [len(u) for u in units]),
+            np.concatenate([np.arange(len(u)) for u in units]),
             out["device"],
             out["tp_link"],
             out["dp_link"],
