@@ -661,6 +661,15 @@ def _never_steady(key: tuple) -> bool:
     return not any(c + step <= k and (k - c) % step == 0 for c in _short_candidates(schedule, p))
 
 
+def _kernel_mode(mode: str) -> str:
+    """The mode of a configuration's kernel template. Without data parallelism
+    (mode "none") a template is mode "sync"'s but for its updates' link kind
+    (the data-parallel group's instead of the device's own), and a group of one
+    device has no link to cost: its update's seconds are the same. So both
+    share templates (fewer templates to build, fuller groups)."""
+    return "sync" if mode == "none" else mode
+
+
 def simulate_configs(
     model, topology, configs: list[Config], *, fit_only: bool = False, steady: bool = True
 ) -> dict:
@@ -679,7 +688,9 @@ def simulate_configs(
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     kernel = _Kernel()
     # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
-    long_of = [(c.pipeline, c.microbatches, c.virtual_stages, c.schedule, c.mode) for c in configs]
+    long_of = [
+        (c.pipeline, c.microbatches, c.virtual_stages, c.schedule, _kernel_mode(c.mode)) for c in configs
+    ]
     # Every long pipeline that has a short one: short templates are shared by every k. They
     # are built in another thread while this one fills the tables (their long arrays let
     # numpy release the GIL; the tables' short ones keep it).
