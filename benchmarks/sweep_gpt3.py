@@ -662,12 +662,21 @@ def _never_steady(key: tuple) -> bool:
 
 
 def _kernel_mode(mode: str) -> str:
-    """The mode of a configuration's kernel template. Without data parallelism
-    (mode "none") a template is mode "sync"'s but for its updates' link kind
-    (the data-parallel group's instead of the device's own), and a group of one
-    device has no link to cost: its update's seconds are the same. So both
-    share templates (fewer templates to build, fuller groups)."""
-    return "sync" if mode == "none" else mode
+    """The mode of a configuration's kernel template: modes whose templates
+    differ only in ops that take no time share one.
+
+    - Without data parallelism (mode "none") a template is mode "sync"'s but
+      for its updates' link kind (the data-parallel group's instead of the
+      device's own); a group of one device has no link to cost, so an update's
+      seconds are the same.
+    - Mode "overlap_zero"'s template is mode "overlap"'s with a gather after
+      each stage's update (on stream 1, waiting for it). Without ZeRO a
+      gather's cost row is zero: it takes no time, ends no later than its
+      update, precedes no other op on its stream, and allocates nothing.
+
+    Sharing means fewer templates to build and fuller groups (every row of a
+    group still gets its own seconds and memory tables)."""
+    return {"none": "sync", "overlap": "overlap_zero"}.get(mode, mode)
 
 
 def simulate_configs(
