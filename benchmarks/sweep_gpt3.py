@@ -87,6 +87,7 @@ from distir_jax.models import get_model_config
 from distir_jax.presets import get_preset
 from distir_jax.transforms.coarse import (
     balanced_layers,
+    chunk_step_rows,
     chunk_tables,
     data_mode,
     layer_features,
@@ -371,11 +372,11 @@ class _Rows:
         for (t, rc, p, v, d, zero, mode), i in keys.items():
             features = self.features(t, rc)
             layers = balanced_layers(features, p * v)
-            tables.append(chunk_tables(features, layers, p, 0, data=d, zero=zero, mode=mode))
+            tables.append(chunk_tables(features, layers, p, 0, data=d, zero=zero, mode=mode, step_rows=False))
             self.split[i] = 3 * p * v + 1
             self.steps[i] = steps_of.setdefault((t, rc, tuple(layers.tolist())), len(steps))
             if self.steps[i] == len(steps):
-                steps.append(tables[-1].cost[:, : self.split[i]])
+                steps.append(chunk_step_rows(features, layers))
             data_bytes.append(features.data_bytes)
             device, tp_link, dp_link = stage_devices(topology, p, t, d)
             self.device[i, :p], self.tp_link[i, :p], self.dp_link[i, :p] = device, tp_link, dp_link
@@ -387,9 +388,7 @@ class _Rows:
         # Each key's tables flat, one after the other: a configuration's table ``x``
         # starts at ``start[x][key] + variant * rows[x][key]``.
         # (A step table's rows are its keys' ``split``.)
-        self.cost, rows, start = _flat(
-            steps + [t.cost[:, split:] for t, split in zip(tables, self.split, strict=True)]
-        )
+        self.cost, rows, start = _flat(steps + [t.cost for t in tables])
         self.cost_rows = rows[len(steps) :]
         self.steps_start, self.cost_start = start[: len(steps)], start[len(steps) :]
         self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables])

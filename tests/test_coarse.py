@@ -29,6 +29,8 @@ from distir_jax.transforms.base import as_distributed
 from distir_jax.transforms.coarse import (
     DATA_MODES,
     balanced_layers,
+    chunk_step_rows,
+    chunk_tables,
     coarse_pipeline_program,
     coarsen,
     estimated_times,
@@ -341,6 +343,27 @@ def test_block_costs_scale_with_the_microbatch():
     np.testing.assert_array_equal(
         f["comm_hops"], 2 * 2 * (2 - 1)
     )  # per pass: 2 ring all-reduces of 2 (t - 1) hops
+
+
+@pytest.mark.parametrize(
+    "mode, zero", [("none", False), ("sync", True), ("overlap", False), ("overlap_zero", True)]
+)
+def test_tables_without_step_rows_are_the_rest_of_the_tables(mode, zero):
+    features = layer_features(GPT, 2, "none", [1, 2], topology())
+    layers = balanced_layers(features, 4)
+    data = 1 if mode == "none" else 2
+    full = chunk_tables(features, layers, 2, 8, data=data, zero=zero, mode=mode)
+    rest = chunk_tables(features, layers, 2, 8, data=data, zero=zero, mode=mode, step_rows=False)
+    split = 3 * len(layers) + 1
+    np.testing.assert_array_equal(chunk_step_rows(features, layers), full.cost[:, :split])
+    np.testing.assert_array_equal(rest.cost, full.cost[:, split:])
+    for name in ("alloc", "free", "resident"):
+        np.testing.assert_array_equal(getattr(rest, name), getattr(full, name))
+    rest.alloc[...] = -1.0  # each call's tables are its own (the shared parts are cached)
+    again = chunk_tables(features, layers, 2, 8, data=data, zero=zero, mode=mode)
+    np.testing.assert_array_equal(again.alloc, full.alloc)
+    with pytest.raises(ValueError, match="step_rows=False"):
+        chunk_tables(features, layers, 2, 8, data=2, mode="overlap", segments=True, step_rows=False)
 
 
 def test_taking_variants_equals_measuring_those_sizes_alone():

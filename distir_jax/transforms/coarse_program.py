@@ -52,6 +52,7 @@ __all__ = [
     "ChunkTables",
     "SplitBlockError",
     "balanced_layers",
+    "chunk_step_rows",
     "chunk_tables",
     "coarse_pipeline_program",
     "event_stage_peaks",
@@ -347,6 +348,7 @@ def chunk_tables(
     zero: bool = False,
     mode: str = "none",
     segments: bool = False,
+    step_rows: bool = True,
 ) -> ChunkTables:
     """The tables of one configuration, for all of ``features``' size variants.
 
@@ -359,33 +361,74 @@ def chunk_tables(
       segments: append the rows of each chunk's last backward cut into
         segments and of each gradient's reduction (mode ``"overlap"``, for a
         template built with :func:`segment_plan`).
+      step_rows: False leaves the chunks' step rows (the first ``3n + 1``
+        cost rows) out of ``cost``: they depend on ``features`` and
+        ``layers_per_chunk`` only (:func:`chunk_step_rows`), for callers that
+        keep one copy for every pipeline depth and data-parallel mode.
 
     Returns:
       A :class:`ChunkTables` with a leading ``S`` axis.
     """
     p, k = int(pipeline), int(microbatches)
-    layers = np.asarray(layers_per_chunk, np.int64)
+    layers = tuple(int(x) for x in layers_per_chunk)
     n = len(layers)
+    if not step_rows and (segments or features.per_layer):
+        raise ValueError("step_rows=False applies to whole-block tables without segments only")
     shard = data if zero else 1
-    base = _pipeline_parts(features, tuple(int(x) for x in layers), p)
-    coef, stage_coef, fwd, bwd = base.coef, base.stage_coef, base.fwd, base.bwd
+    base = _pipeline_parts(features, layers, p)
+    coef, stage_coef = base.coef, base.stage_coef
     s = features.num_variants
     reduce_parts, gather_parts = features.data_parallel(data, zero)
     adam = features.optimizer.copy()
     adam[:, _SCALED] /= shard
     update_parts = adam + (reduce_parts + gather_parts if mode == "sync" else 0.0)
-    rows = [
-        base.steps,  # forward, first backward, later backwards, a message
+    rows = [base.steps] if step_rows else []  # forward, first backward, later backwards, a message
+    rows += [
         np.broadcast_to(coef @ reduce_parts, (s, n, _F)),
         np.broadcast_to(stage_coef @ update_parts, (s, p, _F)),
         np.broadcast_to(stage_coef @ gather_parts, (s, p, _F)),
     ]
     cost = np.concatenate(rows, axis=1)
-    grads = features.param_bytes  # [3] (per layer: [P])
-    stage_grads = stage_coef @ grads  # [p]
+    alloc, free, params, state = (np.array(x) for x in _memory_base(features, layers, p))
+    if mode == "sync":
+        # Without ZeRO the reduction's peak does not depend on the degree (cache key).
+        key = (int(data), True) if zero else (1, False)
+        extra = _reduction_peak(features, layers, p, *key)
+        alloc[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
+        free[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
+    resident = params + state / shard + (params / shard if zero and data > 1 else 0.0)
+    data_inputs = k * features.data_bytes  # [S]
+    resident = np.broadcast_to(resident, (s, p)).copy()
+    resident[:, 0] += data_inputs  # tokens, on the first chunk's stage
+    resident[:, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
+    tables = ChunkTables(cost, alloc, free, resident)
+    if segments:
+        if not mode.startswith("overlap"):
+            raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
+        tables = _with_segments(tables, features, layers, k, data, zero)
+    if features.per_layer:
+        tables = _with_boundary_messages(tables, features, layers)
+    return tables
+
+
+def chunk_step_rows(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> np.ndarray:
+    """``[S, 3n + 1, F]`` the cost rows :func:`chunk_tables` leaves out with
+    ``step_rows=False`` (the same for every pipeline depth and data-parallel
+    mode; cached, read only)."""
+    return _chunk_parts(features, tuple(int(x) for x in layers_per_chunk)).steps
+
+
+@functools.lru_cache(maxsize=4096)
+def _memory_base(features: LayerFeatures, layers: tuple, p: int) -> tuple:
+    """``(alloc, free, params, state)`` of :func:`chunk_tables` that every
+    data-parallel degree, ZeRO setting and mode share (cached; read only):
+    passes, messages and each stage's gradients; parameter and optimizer state
+    bytes per stage."""
+    base = _pipeline_parts(features, layers, p)
+    n, s = len(layers), features.num_variants
     alloc = np.zeros((s, 3 * n + p + 3, 2))
     free = np.zeros_like(alloc)
-    for i, (a, b) in enumerate([fwd, bwd[0], bwd[1]]):
+    for i, (a, b) in enumerate([base.fwd, base.bwd[0], base.bwd[1]]):
         alloc[:, i * n : (i + 1) * n, 0] = a.T
         free[:, i * n : (i + 1) * n, 0] = (a - b).T
     # A message arrives on the receiver, and the sender's copy goes, unless the
@@ -397,28 +440,13 @@ def chunk_tables(
     for row, sender_frees in ((3 * n, not kept), (3 * n + p + 2, True)):  # activation, gradient
         alloc[:, row, 1] = message
         free[:, row, 0] = message if sender_frees else 0.0
-    free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = stage_grads
-    if mode == "sync":
-        # Without ZeRO the reduction's peak does not depend on the degree (cache key).
-        key = (int(data), True) if zero else (1, False)
-        extra = _reduction_peak(features, tuple(int(x) for x in layers), p, *key)
-        alloc[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
-        free[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
-    params = stage_coef @ features.param_bytes
-    state = stage_coef @ features.state_bytes
-    resident = params + state / shard + (params / shard if zero and data > 1 else 0.0)
-    data_inputs = k * features.data_bytes  # [S]
-    resident = np.broadcast_to(resident, (s, p)).copy()
-    resident[:, 0] += data_inputs  # tokens, on the first chunk's stage
-    resident[:, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
-    tables = ChunkTables(cost, alloc, free, resident)
-    if segments:
-        if not mode.startswith("overlap"):
-            raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
-        tables = _with_segments(tables, features, tuple(int(x) for x in layers), k, data, zero)
-    if features.per_layer:
-        tables = _with_boundary_messages(tables, features, tuple(int(x) for x in layers))
-    return tables
+    free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = base.stage_coef @ features.param_bytes  # each stage's gradients
+    params = base.stage_coef @ features.param_bytes
+    state = base.stage_coef @ features.state_bytes
+    out = (alloc, free, params, state)
+    for x in out:
+        x.setflags(write=False)
+    return out
 
 
 def _with_boundary_messages(tables: ChunkTables, features: LayerFeatures, layers: tuple) -> ChunkTables:
@@ -865,7 +893,9 @@ def event_stage_peaks(
         runs, run_stage, run_part, stage_runs, (first, last) = steady.stage_part_runs
         q0, q1 = np.maximum(first, 0), np.maximum(last, 0)
         q0_delta = delta[:, q0]
-    level = np.cumsum(delta, axis=1, out=delta)  # bytes after each event, counted from the first stage's start
+    level = np.cumsum(
+        delta, axis=1, out=delta
+    )  # bytes after each event, counted from the first stage's start
     # An event's top (its level before it, plus what it allocates) is ``level + free``;
     # each stage's rise is its largest top above the level its run starts from.
     base = level[:, starts] - first_delta  # [S, stages]
