@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -238,10 +239,13 @@ def _fill_blocks(
         cost[-1] += head
     if not 1 <= num_chunks or layers.sum() > num_blocks:
         raise ValueError(f"cannot cut {num_blocks} blocks into {num_chunks} chunks of at least one block")
+    # Each block to the cheapest chunk, the latest of those (a heap of (cost, -chunk)).
+    heap = [(float(x), -c) for c, x in enumerate(cost)]
+    heapq.heapify(heap)
     for _ in range(num_blocks - int(layers.sum())):
-        c = num_chunks - 1 - int(np.argmin(cost[::-1]))  # the latest of the cheapest
-        layers[c] += 1
-        cost[c] += block
+        x, c = heap[0]
+        layers[-c] += 1
+        heapq.heapreplace(heap, (x + block, c))
     layers.setflags(write=False)
     return layers
 
