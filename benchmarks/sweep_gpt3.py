@@ -88,7 +88,7 @@ from distir_jax.presets import get_preset
 from distir_jax.transforms.coarse import (
     balanced_layers,
     chunk_step_rows,
-    chunk_tables,
+    chunk_tables_by_mode,
     data_mode,
     layer_features,
     pipeline_template,
@@ -359,28 +359,34 @@ class _Rows:
         self.key = np.asarray(key)
         # A key's tables hold its tensor degree's sizes (the variant: a configuration's among them).
         self.variant = np.asarray([self.sizes[c.tensor].index(c.microbatch_size) for c in configs])
-        tables, data_bytes = [], []
+        tables, data_bytes = [None] * len(keys), [None] * len(keys)
         self.device = np.full((len(keys), _MAX_STAGES), -1, np.int32)  # each key's stage devices and links
         self.tp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
         self.dp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
         self.last = np.zeros(len(keys), np.intp)  # the last chunk's stage (it holds the labels)
         # Cost rows of the chunks' steps (ChunkTables: forward, first and later backwards,
         # a message: the first 3n + 1) depend on the features and the chunks' layers only:
-        # one copy serves every pipeline depth and data-parallel mode. The rest is per key.
+        # one copy serves every pipeline depth and data-parallel mode. The rest is per key,
+        # computed for a pipeline's data-parallel variants together.
         steps, steps_of = [], {}
         self.steps, self.split = np.zeros(len(keys), np.intp), np.zeros(len(keys), np.intp)
+        variants: dict[tuple, list] = {}
         for (t, rc, p, v, d, zero, mode), i in keys.items():
+            variants.setdefault((t, rc, p, v, d), []).append((i, zero, mode))
+        for (t, rc, p, v, d), members in variants.items():
             features = self.features(t, rc)
             layers = balanced_layers(features, p * v)
-            tables.append(chunk_tables(features, layers, p, 0, data=d, zero=zero, mode=mode, step_rows=False))
-            self.split[i] = 3 * p * v + 1
-            self.steps[i] = steps_of.setdefault((t, rc, tuple(layers.tolist())), len(steps))
-            if self.steps[i] == len(steps):
+            modes = [(d, zero, mode) for _, zero, mode in members]
+            made = chunk_tables_by_mode(features, layers, p, 0, modes, step_rows=False)
+            step = steps_of.setdefault((t, rc, tuple(layers.tolist())), len(steps))
+            if step == len(steps):
                 steps.append(chunk_step_rows(features, layers))
-            data_bytes.append(features.data_bytes)
             device, tp_link, dp_link = stage_devices(topology, p, t, d)
-            self.device[i, :p], self.tp_link[i, :p], self.dp_link[i, :p] = device, tp_link, dp_link
-            self.last[i] = (p * v - 1) % p
+            for (i, _, _), table in zip(members, made, strict=True):
+                tables[i], data_bytes[i] = table, features.data_bytes
+                self.split[i], self.steps[i] = 3 * p * v + 1, step
+                self.device[i, :p], self.tp_link[i, :p], self.dp_link[i, :p] = device, tp_link, dp_link
+                self.last[i] = (p * v - 1) % p
         # Tokens (and labels) of every microbatch of each configuration.
         self.data = np.asarray([c.microbatches for c in configs]) * np.asarray(
             [data_bytes[k][v] for k, v in zip(key, self.variant, strict=True)]

@@ -31,6 +31,7 @@ from distir_jax.transforms.coarse import (
     balanced_layers,
     chunk_step_rows,
     chunk_tables,
+    chunk_tables_by_mode,
     coarse_pipeline_program,
     coarsen,
     estimated_times,
@@ -364,6 +365,28 @@ def test_tables_without_step_rows_are_the_rest_of_the_tables(mode, zero):
     np.testing.assert_array_equal(again.alloc, full.alloc)
     with pytest.raises(ValueError, match="step_rows=False"):
         chunk_tables(features, layers, 2, 8, data=2, mode="overlap", segments=True, step_rows=False)
+
+
+def test_tables_by_mode_are_each_modes_tables():
+    features = layer_features(GPT, 2, "attention", [1, 2], topology())
+    layers = balanced_layers(features, 4)
+    modes = [
+        (2, False, "sync"),
+        (2, True, "sync"),
+        (2, False, "overlap"),
+        (2, True, "overlap_zero"),
+        (1, False, "none"),
+    ]
+    for step_rows in (True, False):
+        together = chunk_tables_by_mode(features, layers, 2, 8, modes, step_rows=step_rows)
+        for (data, zero, mode), got in zip(modes, together, strict=True):
+            want = chunk_tables(features, layers, 2, 8, data=data, zero=zero, mode=mode, step_rows=step_rows)
+            for name in ("cost", "alloc", "free", "resident"):
+                np.testing.assert_array_equal(
+                    getattr(got, name), getattr(want, name), err_msg=f"{mode} {name}"
+                )
+    # Modes differ where they should: ZeRO shards the resident optimizer state.
+    assert np.all(together[1].resident < together[0].resident)
 
 
 def test_taking_variants_equals_measuring_those_sizes_alone():

@@ -55,6 +55,7 @@ __all__ = [
     "balanced_layers",
     "chunk_step_rows",
     "chunk_tables",
+    "chunk_tables_by_mode",
     "coarse_pipeline_program",
     "event_stage_peaks",
     "links_by_kind",
@@ -373,39 +374,12 @@ def chunk_tables(
     Returns:
       A :class:`ChunkTables` with a leading ``S`` axis.
     """
-    p, k = int(pipeline), int(microbatches)
-    layers = tuple(int(x) for x in layers_per_chunk)
-    n = len(layers)
     if not step_rows and (segments or features.per_layer):
         raise ValueError("step_rows=False applies to whole-block tables without segments only")
-    shard = data if zero else 1
-    base = _pipeline_parts(features, layers, p)
-    coef, stage_coef = base.coef, base.stage_coef
-    s = features.num_variants
-    reduce_parts, gather_parts = features.data_parallel(data, zero)
-    adam = features.optimizer.copy()
-    adam[:, _SCALED] /= shard
-    update_parts = adam + (reduce_parts + gather_parts if mode == "sync" else 0.0)
-    rows = [base.steps] if step_rows else []  # forward, first backward, later backwards, a message
-    rows += [
-        np.broadcast_to(coef @ reduce_parts, (s, n, _F)),
-        np.broadcast_to(stage_coef @ update_parts, (s, p, _F)),
-        np.broadcast_to(stage_coef @ gather_parts, (s, p, _F)),
-    ]
-    cost = np.concatenate(rows, axis=1)
-    alloc, free, params, state = (np.array(x) for x in _memory_base(features, layers, p))
-    if mode == "sync":
-        # Without ZeRO the reduction's peak does not depend on the degree (cache key).
-        key = (int(data), True) if zero else (1, False)
-        extra = _reduction_peak(features, layers, p, *key)
-        alloc[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
-        free[:, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
-    resident = params + state / shard + (params / shard if zero and data > 1 else 0.0)
-    data_inputs = k * features.data_bytes  # [S]
-    resident = np.broadcast_to(resident, (s, p)).copy()
-    resident[:, 0] += data_inputs  # tokens, on the first chunk's stage
-    resident[:, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
-    tables = ChunkTables(cost, alloc, free, resident)
+    (tables,) = chunk_tables_by_mode(
+        features, layers_per_chunk, pipeline, microbatches, [(data, zero, mode)], step_rows=step_rows
+    )
+    layers, k = tuple(int(x) for x in layers_per_chunk), int(microbatches)
     if segments:
         if not mode.startswith("overlap"):
             raise ValueError(f"segments apply to the overlap modes only, got mode {mode!r}")
@@ -413,6 +387,62 @@ def chunk_tables(
     if features.per_layer:
         tables = _with_boundary_messages(tables, features, layers)
     return tables
+
+
+def chunk_tables_by_mode(
+    features: LayerFeatures,
+    layers_per_chunk: Sequence[int],
+    pipeline: int,
+    microbatches: int,
+    modes: Sequence[tuple[int, bool, str]],
+    *,
+    step_rows: bool = True,
+) -> list[ChunkTables]:
+    """:func:`chunk_tables` (without segments) of one pipeline for each
+    ``(data, zero, mode)`` of ``modes``, computed together: what they share
+    once, the rest stacked over them (a sweep's data-parallel variants of a
+    pipeline cost little more than one)."""
+    p, k = int(pipeline), int(microbatches)
+    layers = tuple(int(x) for x in layers_per_chunk)
+    n, s, m = len(layers), features.num_variants, len(modes)
+    base = _pipeline_parts(features, layers, p)
+    data = np.asarray([int(d) for d, _, _ in modes], np.int64)
+    zero = np.asarray([bool(z) for _, z, _ in modes])
+    sync = np.asarray([mode == "sync" for _, _, mode in modes])
+    shard = np.where(zero, data, 1)
+    parts = [features.data_parallel(int(d), bool(z)) for d, z in zip(data, zero, strict=True)]
+    reduce_parts = np.stack([r for r, _ in parts])  # [M, 3, F] (per layer: [M, P, F])
+    gather_parts = np.stack([g for _, g in parts])
+    adam = np.repeat(features.optimizer[None], m, axis=0)
+    adam[:, :, _SCALED] /= shard[:, None, None]
+    update_parts = adam + np.where(sync[:, None, None], reduce_parts + gather_parts, 0.0)
+    rows = [base.steps[None]] if step_rows else []  # forward, first backward, later backwards, a message
+    rows += [
+        np.matmul(base.coef, reduce_parts)[:, None],  # each chunk's reduction
+        np.matmul(base.stage_coef, update_parts)[:, None],  # each stage's update
+        np.matmul(base.stage_coef, gather_parts)[:, None],  # each stage's gather
+    ]
+    cost = np.empty((m, s, sum(x.shape[2] for x in rows), _F))
+    at = 0
+    for x in rows:
+        cost[:, :, at : at + x.shape[2]] = x
+        at += x.shape[2]
+    alloc_base, free_base, params, state = _memory_base(features, layers, p)
+    alloc = np.repeat(alloc_base[None], m, axis=0)
+    free = np.repeat(free_base[None], m, axis=0)
+    for i in np.flatnonzero(sync):
+        # Without ZeRO the reduction's peak does not depend on the degree (cache key).
+        key = (int(data[i]), True) if zero[i] else (1, False)
+        extra = _reduction_peak(features, layers, p, *key)
+        alloc[i, :, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
+        free[i, :, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
+    sharded = (zero & (data > 1))[:, None]
+    resident = params + state / shard[:, None] + np.where(sharded, params / shard[:, None], 0.0)  # [M, p]
+    data_inputs = k * features.data_bytes  # [S]
+    resident = np.repeat(resident[:, None], s, axis=1)
+    resident[:, :, 0] += data_inputs  # tokens, on the first chunk's stage
+    resident[:, :, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
+    return [ChunkTables(cost[i], alloc[i], free[i], resident[i]) for i in range(m)]
 
 
 def chunk_step_rows(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> np.ndarray:
