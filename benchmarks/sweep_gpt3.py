@@ -715,25 +715,37 @@ def simulate_configs(
     tick = time.perf_counter()
     # While the worker finishes the steady templates, build long ones it will not
     # replace (largest first, as the kernel calls want them); `_run` builds the rest.
+    # A long pipeline as short as some sibling's short template (same p, v, schedule,
+    # mode) runs that template, with no extra periods: it is the same program, plus
+    # finish slots nobody reads. Which short templates there are is known once the
+    # worker is done; until then, build long ones that cannot be one.
+    steady_siblings = {key[:1] + key[2:] for key in long_of if steady and not _never_steady(key)}
     templates = {}
     for key in sorted(
-        {key for key in long_of if not steady or _never_steady(key)},
+        {
+            key
+            for key in long_of
+            if (not steady or _never_steady(key))
+            and not (key[:1] + key[2:] in steady_siblings and key[1] in _short_candidates(key[3], key[0]))
+        },
         key=lambda key: -template_size(*key[:3], key[4])[0],
     ):
         if steady_of.done():
             break
         templates[key + (False,)] = _template_arrays(pipeline_template(*key))
     steady_of = steady_of.result()
-    short, template_of = {}, []
+    short = {}
+    for key, found in steady_of.items():
+        if found is not None:
+            short[(key[0], found.template.microbatches) + key[2:] + (True,)] = found
+    template_of = []
     periods = np.zeros(len(configs))
     for i, key in enumerate(long_of):
         found = steady_of[key]
         if found is None:
-            template_of.append(key + (False,))
+            template_of.append(key + (True,) if key + (True,) in short else key + (False,))
             continue
-        kernel_key = (key[0], found.template.microbatches) + key[2:] + (True,)
-        short[kernel_key] = found
-        template_of.append(kernel_key)
+        template_of.append((key[0], found.template.microbatches) + key[2:] + (True,))
         periods[i] = found.extra_periods
     steady_rows = int((periods > 0).sum())
     phases["steady templates"] = time.perf_counter() - tick
