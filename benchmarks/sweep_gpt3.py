@@ -42,14 +42,17 @@ stages and no interleaving. A program has ``~4 k v p`` ops, up to ~4e5 for
 1024 microbatches of one sample, ~1.1e8 in all. Every long pipeline is
 simulated as a short one (``p + 2`` microbatches for 1F1B, ``4p`` interleaved)
 whose steady period stands for the rest (:mod:`distir_jax.transforms.coarse_steady`;
-short templates are shared by every longer ``k``): ~2.2e7 ops in all. The
-kernel runs in float64 here, so the period's certificate (every resource's
-clock moves by the same amount) holds to ~1e-12; a row that fails it is
-simulated at full length. Where the time goes on a 2-core CPU (~3.2-4 s in
-all, see ``benchmarks/RESULTS.md``): measuring blocks and filling chunk tables
-(~1-1.5 s; the steady templates, ~0.6 s, are built meanwhile in a worker
-thread), then the other templates, call assembly and peak memory (~1.5-2 s,
-the kernel's ~1 s overlapped).
+short templates are shared by every longer ``k``, and by a long pipeline of
+their own length): ~2.2e7 ops in all. Data-parallel modes whose templates
+differ only in ops that take no time share templates (:func:`_kernel_mode`):
+228 templates in all. The kernel runs in float64 here, so the period's
+certificate (every resource's clock moves by the same amount) holds to
+~1e-12; a row that fails it is simulated at full length. Where the time goes
+on a 2-core CPU (~2.4-3.3 s in all, see ``benchmarks/RESULTS.md``): measuring
+blocks and filling chunk tables (~1-1.5 s; the steady templates, ~0.6 s, are
+built meanwhile in a worker thread), then the other templates and call
+assembly (~1.2-1.5 s, the kernel and peak memory overlapped). Most of it is
+Python on the main thread, which holds the GIL: more threads would not help.
 """
 
 from __future__ import annotations
@@ -672,8 +675,8 @@ def _kernel_mode(mode: str) -> str:
 
     - Without data parallelism (mode "none") a template is mode "sync"'s but
       for its updates' link kind (the data-parallel group's instead of the
-      device's own); a group of one device has no link to cost, so an update's
-      seconds are the same.
+      device's own). Mode "none"'s update rows carry no communication (the
+      optimizer step only), so the link they are costed on changes nothing.
     - Mode "overlap_zero"'s template is mode "overlap"'s with a gather after
       each stage's update (on stream 1, waiting for it). Without ZeRO a
       gather's cost row is zero: it takes no time, ends no later than its
