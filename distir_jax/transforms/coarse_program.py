@@ -401,7 +401,8 @@ def chunk_tables_by_mode(
     """:func:`chunk_tables` (without segments) of one pipeline for each
     ``(data, zero, mode)`` of ``modes``, computed together: what they share
     once, the rest stacked over them (a sweep's data-parallel variants of a
-    pipeline cost little more than one)."""
+    pipeline cost little more than one). ``step_rows`` as for
+    :func:`chunk_tables`; one :class:`ChunkTables` per mode, in order."""
     p, k = int(pipeline), int(microbatches)
     layers = tuple(int(x) for x in layers_per_chunk)
     n, s, m = len(layers), features.num_variants, len(modes)
