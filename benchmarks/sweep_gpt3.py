@@ -62,6 +62,7 @@ import concurrent.futures
 import dataclasses
 import os
 import platform
+import threading
 import time
 import types
 
@@ -113,6 +114,9 @@ _COST_ROWS = 4 * _MAX_CHUNKS + 2 * _MAX_STAGES + 2  # the last row stays zero (p
 _PERIOD_RESOURCES = 2 * _MAX_STAGES
 # Largest relative error the steady-state certificate's bound may allow (float64 kernel).
 _STEADY_RTOL = 1e-9
+# Long templates of at least this many ops are built in a worker thread (their
+# NumPy work runs while the main thread's Python holds the GIL).
+_LARGE_TEMPLATE = 4096
 # One compiled kernel serves the whole sweep: every call has these shapes. A
 # call holds _GROUPS_PER_CALL groups of _ROWS_PER_GROUP configurations, each
 # group one template (distir_jax.grouped_timeline); it runs their programs
@@ -246,7 +250,9 @@ def _template_arrays(template, steady=None) -> dict:
     return out
 
 
-_SCRATCH = []  # one int32 per (cost row, stage, stage): a template's first op of each
+# Per thread (templates are built in several): one int32 per (cost row, stage,
+# stage), a template's first op of each.
+_SCRATCH = threading.local()
 
 
 def _columns(cost_row: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -260,9 +266,9 @@ def _columns(cost_row: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, np.nd
         0 <= cost_row.min() and cost_row.max() < _COST_ROWS and stage.max() < _MAX_STAGES
     ):
         raise ValueError(f"ops need cost rows in [0, {_COST_ROWS}) and stages < {_MAX_STAGES}")
-    if not _SCRATCH:
-        _SCRATCH.append(np.empty(_COST_ROWS * span * span, np.int32))
-    table = _SCRATCH[0]
+    table = getattr(_SCRATCH, "table", None)
+    if table is None:
+        table = _SCRATCH.table = np.empty(_COST_ROWS * span * span, np.int32)
     combination = (cost_row.astype(np.intp) * span + stage[:, 0] + 1) * span + stage[:, 1] + 1
     n = len(combination)
     table[combination[::-1]] = np.arange(n - 1, -1, -1, dtype=np.int32)  # the last write wins: the first op
@@ -712,19 +718,14 @@ def simulate_configs(
     # are built in another thread while this one fills the tables (their long arrays let
     # numpy release the GIL; the tables' short ones keep it).
     steady_of = _PEAKS.submit(lambda: {key: _steady(key) if steady else None for key in set(long_of)})
-    rows = _Rows(model, topology, configs)
-    kernel.load(rows.cost, hardware_rows(hardware, per_config_structure=True, xp=np))
-    phases["features"] = time.perf_counter() - begin
-    tick = time.perf_counter()
-    # While the worker finishes the steady templates, build long ones it will not
-    # replace (largest first, as the kernel calls want them); `_run` builds the rest.
-    # A long pipeline as short as some sibling's short template (same p, v, schedule,
-    # mode) runs that template, with no extra periods: it is the same program, plus
-    # finish slots nobody reads. Which short templates there are is known once the
-    # worker is done; until then, build long ones that cannot be one.
+    # Long templates no short one replaces. A long pipeline as short as some sibling's
+    # short template (same p, v, schedule, mode) runs that template, with no extra
+    # periods: it is the same program, plus finish slots nobody reads. Which short
+    # templates there are is known once the worker is done; until then, only long ones
+    # that cannot be one. The large ones (mostly NumPy over their ops) are built by the
+    # other peaks thread meanwhile; the small ones (mostly Python) here, while waiting.
     steady_siblings = {key[:1] + key[2:] for key in long_of if steady and not _never_steady(key)}
-    templates = {}
-    for key in sorted(
+    unreplaced = sorted(
         {
             key
             for key in long_of
@@ -732,10 +733,21 @@ def simulate_configs(
             and not (key[:1] + key[2:] in steady_siblings and key[1] in _short_candidates(key[3], key[0]))
         },
         key=lambda key: -template_size(*key[:3], key[4])[0],
-    ):
+    )
+    large = [key for key in unreplaced if template_size(*key[:3], key[4])[0] >= _LARGE_TEMPLATE]
+    large_made = _PEAKS.submit(
+        lambda: {key + (False,): _template_arrays(pipeline_template(*key)) for key in large}
+    )
+    rows = _Rows(model, topology, configs)
+    kernel.load(rows.cost, hardware_rows(hardware, per_config_structure=True, xp=np))
+    phases["features"] = time.perf_counter() - begin
+    tick = time.perf_counter()
+    templates = {}
+    for key in unreplaced[len(large) :]:
         if steady_of.done():
             break
         templates[key + (False,)] = _template_arrays(pipeline_template(*key))
+    templates.update(large_made.result())
     steady_of = steady_of.result()
     short = {}
     for key, found in steady_of.items():

@@ -57,6 +57,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 
@@ -325,20 +326,28 @@ def _cached_template(p, k, v, schedule, mode):
 class _BoundedCache:
     """Recent results of ``build``, least recently used first, bounded in bytes:
     sweeps revisit a pipeline for each data-parallel degree and mode, and
-    GPT-3-sized cores and templates are tens of MB each."""
+    GPT-3-sized cores and templates are tens of MB each. Safe to share between
+    threads (a lock guards the table, not the builds: two threads may build one
+    key at once, and the first to finish is kept)."""
 
     def __init__(self, build, nbytes, max_bytes: int):
         self.build, self.nbytes, self.max_bytes = build, nbytes, max_bytes
         self.held, self.items = 0, collections.OrderedDict()
+        self.lock = threading.Lock()
 
     def get(self, *key):
-        if key in self.items:
-            self.items.move_to_end(key)
-            return self.items[key]
-        value = self.items[key] = self.build(*key)
-        self.held += self.nbytes(value)
-        while len(self.items) > 1 and self.held > self.max_bytes:
-            self.held -= self.nbytes(self.items.popitem(last=False)[1])
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+                return self.items[key]
+        value = self.build(*key)
+        with self.lock:
+            if key in self.items:
+                return self.items[key]
+            self.items[key] = value
+            self.held += self.nbytes(value)
+            while len(self.items) > 1 and self.held > self.max_bytes:
+                self.held -= self.nbytes(self.items.popitem(last=False)[1])
         return value
 
 
