@@ -389,6 +389,30 @@ def test_tables_by_mode_are_each_modes_tables():
     assert np.all(together[1].resident < together[0].resident)
 
 
+def test_the_template_cache_can_be_shared_between_threads():
+    import concurrent.futures
+    import threading
+
+    from distir_jax.transforms.coarse_pipeline import _BoundedCache
+
+    builds = []
+    lock = threading.Lock()
+
+    def build(x):
+        with lock:
+            builds.append(x)
+        return np.full(100, x)
+
+    cache = _BoundedCache(build, lambda value: value.nbytes, max_bytes=5 * 800)  # holds 5: evicts often
+    keys = [i % 12 for i in range(3000)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        values = list(pool.map(cache.get, keys))
+    for key, value in zip(keys, values, strict=True):
+        np.testing.assert_array_equal(value, np.full(100, key))
+    assert len(cache.items) <= 5 and cache.held == sum(v.nbytes for v in cache.items.values())
+    assert len(builds) >= 12  # every key built at least once (again after an eviction)
+
+
 def test_taking_variants_equals_measuring_those_sizes_alone():
     topo = topology()
     both = layer_features(GPT, 2, "attention", [1, 2, 4], topo, optimizer="adam")
