@@ -693,6 +693,47 @@ def _kernel_mode(mode: str) -> str:
     return {"none": "sync", "overlap": "overlap_zero"}.get(mode, mode)
 
 
+def _unreplaced(long_of: list[tuple], steady: bool) -> list[tuple]:
+    """The long templates among ``long_of`` that no short one can replace,
+    largest first (built before the steady templates are known).
+
+    Besides pipelines no short template fits (:func:`_never_steady`), a long
+    pipeline as short as some sibling's short template (same p, v, schedule,
+    mode) may run that template (see :func:`_kernel_templates`): which short
+    templates there are is known once they are built, so such keys wait."""
+    siblings = {key[:1] + key[2:] for key in long_of if steady and not _never_steady(key)}
+    keys = {
+        key
+        for key in long_of
+        if (not steady or _never_steady(key))
+        and not (key[:1] + key[2:] in siblings and key[1] in _short_candidates(key[3], key[0]))
+    }
+    return sorted(keys, key=lambda key: -template_size(*key[:3], key[4])[0])
+
+
+def _kernel_templates(long_of: list[tuple], steady_of: dict) -> tuple[dict, list, np.ndarray]:
+    """``(short, template_of, periods)``: the steady templates by kernel key, each
+    configuration's kernel key (``long key + (short?,)``, with a short template's
+    microbatches) and its extra periods (0: the template runs as it is).
+
+    A long pipeline exactly as short as a sibling's short template runs that
+    template with no extra periods: the same program, plus finish slots nobody reads."""
+    short = {}
+    for key, found in steady_of.items():
+        if found is not None:
+            short[(key[0], found.template.microbatches) + key[2:] + (True,)] = found
+    template_of = []
+    periods = np.zeros(len(long_of))
+    for i, key in enumerate(long_of):
+        found = steady_of[key]
+        if found is None:
+            template_of.append(key + (True,) if key + (True,) in short else key + (False,))
+            continue
+        template_of.append((key[0], found.template.microbatches) + key[2:] + (True,))
+        periods[i] = found.extra_periods
+    return short, template_of, periods
+
+
 def simulate_configs(
     model, topology, configs: list[Config], *, fit_only: bool = False, steady: bool = True
 ) -> dict:
@@ -718,22 +759,10 @@ def simulate_configs(
     # are built in another thread while this one fills the tables (their long arrays let
     # numpy release the GIL; the tables' short ones keep it).
     steady_of = _PEAKS.submit(lambda: {key: _steady(key) if steady else None for key in set(long_of)})
-    # Long templates no short one replaces. A long pipeline as short as some sibling's
-    # short template (same p, v, schedule, mode) runs that template, with no extra
-    # periods: it is the same program, plus finish slots nobody reads. Which short
-    # templates there are is known once the worker is done; until then, only long ones
-    # that cannot be one. The large ones (mostly NumPy over their ops) are built by the
-    # other peaks thread meanwhile; the small ones (mostly Python) here, while waiting.
-    steady_siblings = {key[:1] + key[2:] for key in long_of if steady and not _never_steady(key)}
-    unreplaced = sorted(
-        {
-            key
-            for key in long_of
-            if (not steady or _never_steady(key))
-            and not (key[:1] + key[2:] in steady_siblings and key[1] in _short_candidates(key[3], key[0]))
-        },
-        key=lambda key: -template_size(*key[:3], key[4])[0],
-    )
+    # Long templates no short one will replace: the large ones (mostly NumPy over their
+    # ops) are built by the other peaks thread meanwhile; the small ones (mostly Python)
+    # here, while waiting for the steady templates.
+    unreplaced = _unreplaced(long_of, steady)
     large = [key for key in unreplaced if template_size(*key[:3], key[4])[0] >= _LARGE_TEMPLATE]
     large_made = _PEAKS.submit(
         lambda: {key + (False,): _template_arrays(pipeline_template(*key)) for key in large}
@@ -748,20 +777,7 @@ def simulate_configs(
             break
         templates[key + (False,)] = _template_arrays(pipeline_template(*key))
     templates.update(large_made.result())
-    steady_of = steady_of.result()
-    short = {}
-    for key, found in steady_of.items():
-        if found is not None:
-            short[(key[0], found.template.microbatches) + key[2:] + (True,)] = found
-    template_of = []
-    periods = np.zeros(len(configs))
-    for i, key in enumerate(long_of):
-        found = steady_of[key]
-        if found is None:
-            template_of.append(key + (True,) if key + (True,) in short else key + (False,))
-            continue
-        template_of.append((key[0], found.template.microbatches) + key[2:] + (True,))
-        periods[i] = found.extra_periods
+    short, template_of, periods = _kernel_templates(long_of, steady_of.result())
     steady_rows = int((periods > 0).sum())
     phases["steady templates"] = time.perf_counter() - tick
     tick = time.perf_counter()
