@@ -100,7 +100,12 @@ from distir_jax.transforms.coarse import (
     template_size,
 )
 from distir_jax.transforms.coarse_program import event_stage_peaks, links_by_kind
-from distir_jax.transforms.coarse_steady import extrapolate, short_candidates, steady_template
+from distir_jax.transforms.coarse_steady import (
+    extrapolate,
+    microbatch_period,
+    short_candidates,
+    steady_template,
+)
 
 MODEL = "gpt3-175b"
 PRESET = "dgx-a100-80gb:64"
@@ -671,7 +676,7 @@ def _never_steady(key: tuple) -> bool:
     p, k, _, schedule, _ = key
     if schedule not in ("1f1b", "interleaved") or p < 2:
         return True
-    step = p if schedule == "interleaved" else 1  # microbatches per period
+    step = microbatch_period(schedule, p)
     return not any(c + step <= k and (k - c) % step == 0 for c in _short_candidates(schedule, p))
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "MIN_LONG_OPS",
     "SteadyTemplate",
     "extrapolate",
+    "microbatch_period",
     "short_candidates",
     "steady_template",
     "worth_it",
@@ -126,7 +127,8 @@ class SteadyTemplate:
         return runs, run_stage, self.event_part[runs], stage_runs, (first, last)
 
 
-def _microbatch_period(schedule: str, pipeline: int) -> int:
+def microbatch_period(schedule: str, pipeline: int) -> int:
+    """Microbatches one steady period adds: interleaved 1F1B enters them in groups of ``p``."""
     return pipeline if schedule == "interleaved" else 1
 
 
@@ -278,7 +280,7 @@ def steady_template(
     # and must be the short one repeated: the order's periodicity is tested for
     # unit costs (and holds for GPT-3's costs rounded to integers), not proved.
     verify = step_costs is not None
-    step = _microbatch_period(schedule, p)
+    step = microbatch_period(schedule, p)
     candidates = short_candidates(schedule, p) if short_microbatches is None else short_microbatches
     costs = None if step_costs is None else tuple(map(tuple, np.asarray(step_costs, np.float64).tolist()))
     segments, updates = hashable_plan(segments, updates)  # cache keys
@@ -328,7 +330,7 @@ def _short(p, short_k, v, schedule, mode, costs, segments, updates) -> SteadyTem
     has one that passes the static checks (shared by every longer ``k``)."""
     step_costs = None if costs is None else np.asarray(costs, np.float64)
     short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
-    longer_k = short_k + _microbatch_period(schedule, p)
+    longer_k = short_k + microbatch_period(schedule, p)
     longer = pipeline_template(p, longer_k, v, schedule, mode, step_costs, segments, updates)
     found = _find_period(*_op_keys(short, longer))
     if found is None or not _statically_sound(short, *found):
@@ -369,7 +371,7 @@ def worth_it(pipeline: int, microbatches: int, virtual_stages: int, schedule: st
     if schedule not in ("1f1b", "interleaved") or pipeline < 2:
         return False
     short_k = short_candidates(schedule, pipeline)[0]
-    step = _microbatch_period(schedule, pipeline)
+    step = microbatch_period(schedule, pipeline)
     size = lambda k: template_size(pipeline, k, virtual_stages, mode)[0]  # noqa: E731
     long = size(microbatches)
     return long >= MIN_LONG_OPS and size(short_k) + size(short_k + step) <= long
