@@ -90,11 +90,12 @@ from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, hardware_rows, op
 from distir_jax.models import get_model_config
 from distir_jax.presets import get_preset
 from distir_jax.transforms.coarse import (
+    DATA_MODES,
     balanced_layers,
     chunk_step_rows,
-    chunk_tables_by_mode,
     data_mode,
     layer_features,
+    mode_rows,
     pipeline_template,
     stage_devices,
     template_size,
@@ -353,9 +354,11 @@ def _subsample(configs: list, every: int) -> list:
 
 
 class _Rows:
-    """Each configuration's small tables, from chunk tables per (tensor, recompute,
-    pipeline, interleaving, data, ZeRO, mode) and microbatch size, kept flat so a
-    kernel call gathers all its rows at once."""
+    """Each configuration's small tables, from :func:`~distir_jax.transforms.coarse.mode_rows`
+    per (tensor, recompute, pipeline, interleaving, data) and its modes, kept flat so
+    a kernel call gathers all its rows at once, and each number stored once: a
+    pipeline's memory rows serve all its modes, cost rows that do not depend
+    on the microbatch size are stored once for all sizes."""
 
     def __init__(self, model, topology, configs):
         self.model, self.topology = model, topology
@@ -373,47 +376,59 @@ class _Rows:
         self.key = np.asarray(key)
         # A key's tables hold its tensor degree's sizes (the variant: a configuration's among them).
         self.variant = np.asarray([self.sizes[c.tensor].index(c.microbatch_size) for c in configs])
-        tables, data_bytes = [None] * len(keys), [None] * len(keys)
+        data_bytes = [None] * len(keys)
         self.device = np.full((len(keys), _MAX_STAGES), -1, np.int32)  # each key's stage devices and links
         self.tp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
         self.dp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
         self.last = np.zeros(len(keys), np.intp)  # the last chunk's stage (it holds the labels)
         # Cost rows of the chunks' steps (ChunkTables: forward, first and later backwards,
         # a message: the first 3n + 1) depend on the features and the chunks' layers only:
-        # one copy serves every pipeline depth and data-parallel mode. The rest is per key,
-        # computed for a pipeline's data-parallel variants together.
-        steps, steps_of = [], {}
+        # one copy serves every pipeline depth and data-parallel mode. The rest (the
+        # reductions, updates and gathers) are per key, one copy for every size.
+        steps, steps_of, other = [], {}, [None] * len(keys)
         self.steps, self.split = np.zeros(len(keys), np.intp), np.zeros(len(keys), np.intp)
+        # Memory rows per pipeline (all its modes); a key adds bytes to its update rows.
+        memory = []
+        self.pipeline_of = np.zeros(len(keys), np.intp)
+        self.update_extra = np.zeros((len(keys), _MAX_STAGES))
+        self.update_row = np.zeros(len(keys), np.intp)  # the first update row (3n + 1)
+        self.stages = np.zeros(len(keys), np.intp)
+        resident = [None] * len(keys)
         variants: dict[tuple, list] = {}
         for (t, rc, p, v, d, zero, mode), i in keys.items():
             variants.setdefault((t, rc, p, v, d), []).append((i, zero, mode))
         for (t, rc, p, v, d), members in variants.items():
             features = self.features(t, rc)
             layers = balanced_layers(features, p * v)
-            modes = [(d, zero, mode) for _, zero, mode in members]
-            made = chunk_tables_by_mode(features, layers, p, 0, modes, step_rows=False)
-            step = steps_of.setdefault((t, rc, tuple(layers.tolist())), len(steps))
+            made = mode_rows(features, layers, p, 0, [(d, zero, mode) for _, zero, mode in members])
+            step = steps_of.setdefault((t, rc, made.layers), len(steps))
             if step == len(steps):
                 steps.append(chunk_step_rows(features, layers))
             device, tp_link, dp_link = stage_devices(topology, p, t, d)
-            for (i, _, _), table in zip(members, made, strict=True):
-                tables[i], data_bytes[i] = table, features.data_bytes
-                self.split[i], self.steps[i] = 3 * p * v + 1, step
-                self.device[i, :p], self.tp_link[i, :p], self.dp_link[i, :p] = device, tp_link, dp_link
-                self.last[i] = (p * v - 1) % p
+            ids = np.asarray([i for i, _, _ in members])
+            self.pipeline_of[ids] = len(memory)
+            memory.append((made.alloc, made.free))
+            self.update_extra[ids, :p] = made.update_extra
+            self.update_row[ids], self.stages[ids] = 3 * p * v + 1, p
+            for j, i in enumerate(ids):
+                other[i], resident[i], data_bytes[i] = made.other[j], made.resident[j], features.data_bytes
+            self.split[ids], self.steps[ids] = 3 * p * v + 1, step
+            self.device[ids, :p], self.tp_link[ids, :p], self.dp_link[ids, :p] = device, tp_link, dp_link
+            self.last[ids] = (p * v - 1) % p
         # Tokens (and labels) of every microbatch of each configuration.
         self.data = np.asarray([c.microbatches for c in configs]) * np.asarray(
             [data_bytes[k][v] for k, v in zip(key, self.variant, strict=True)]
         )
-        # Each key's tables flat, one after the other: a configuration's table ``x``
-        # starts at ``start[x][key] + variant * rows[x][key]``.
-        # (A step table's rows are its keys' ``split``.)
-        self.cost, rows, start = _flat(steps + [t.cost for t in tables])
-        self.cost_rows = rows[len(steps) :]
-        self.steps_start, self.cost_start = start[: len(steps)], start[len(steps) :]
-        self.alloc, self.memory_rows, self.memory_start = _flat([t.alloc for t in tables])
-        self.free = _flat([t.free for t in tables])[0]
-        self.resident_bytes, _, self.resident_start = _flat([_widen(t.resident, _MAX_STAGES) for t in tables])
+        # Flat tables: a step table's variant ``x`` starts at ``steps_start + x * split``,
+        # a key's other rows at ``other_start`` (every variant), a pipeline's memory rows
+        # for variant ``x`` at ``memory_start + x * memory_rows``, a key's resident
+        # bytes at ``resident_start + x``.
+        self.cost, start = _flat([x.reshape(-1, x.shape[-1]) for x in steps + other])
+        self.steps_start, self.other_start = start[: len(steps)], start[len(steps) :]
+        self.alloc, self.memory_start = _flat([a.reshape(-1, 2) for a, _ in memory])
+        self.free = _flat([f.reshape(-1, 2) for _, f in memory])[0]
+        self.memory_rows = np.asarray([a.shape[1] for a, _ in memory])
+        self.resident_bytes, self.resident_start = _flat([_widen(x, _MAX_STAGES) for x in resident])
 
     def features(self, tensor: int, recompute: str):
         return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
@@ -435,14 +450,21 @@ class _Rows:
         Each configuration's table is gathered first (a few hundred numbers), then
         the events from it: the large gathers read a small block that stays in cache."""
         k, v = self.key[ids], self.variant[ids]
-        width = 2 * int(self.memory_rows[k[0]])  # one template: tables of one size
-        first = 2 * (self.memory_start[k] + v * self.memory_rows[k])  # each table's first byte count
+        g = self.pipeline_of[k]
+        width = 2 * int(self.memory_rows[g[0]])  # one template: tables of one size
+        first = 2 * (self.memory_start[g] + v * self.memory_rows[g])  # each table's first byte count
         index = first[:, None] + np.arange(width)
         # A last column of zeros: slot -1 reads it.
+        alloc = self.alloc.reshape(-1)[index]
         free = np.zeros((len(ids), width + 1))
         free[:, :width] = self.free.reshape(-1)[index]
+        # The key's own bytes on its update rows (slot 0), added to both (as mode_rows says).
+        p, row = int(self.stages[k[0]]), 2 * int(self.update_row[k[0]])
+        update, extra = slice(row, row + 2 * p, 2), self.update_extra[k, :p]
+        alloc[:, update] += extra
+        free[:, update] += extra
         net = np.zeros_like(free)
-        np.subtract(self.alloc.reshape(-1)[index], free[:, :width], out=net[:, :width])
+        np.subtract(alloc, free[:, :width], out=net[:, :width])
         # np.take returns C-ordered rows (fancy indexing on axis 1 would not: cumsum is 3x slower there).
         return np.take(net, event_slot, axis=1), np.take(free, event_slot, axis=1)
 
@@ -453,27 +475,24 @@ class _Rows:
 
     def cost_base(self, ids: np.ndarray) -> np.ndarray:
         """``[len(ids), 3]`` int32: where configuration ``ids[i]``'s step rows start in
-        ``self.cost``, where its other rows would start (its data-parallel rows are
-        there from its row ``split``), and ``split``."""
+        ``self.cost``, where its other rows would start (they are there from its
+        row ``split``, the same for every size), and ``split``."""
         k, v = self.key[ids], self.variant[ids]
         steps = self.steps_start[self.steps[k]] + v * self.split[k]
-        other = self.cost_start[k] + v * self.cost_rows[k] - self.split[k]
+        other = self.other_start[k] - self.split[k]
         return np.stack([steps, other, self.split[k]], axis=1).astype(np.int32)
 
 
-def _flat(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``[S, M, ...]`` tables as one ``[sum S * M, ...]`` array, with each table's ``M`` and first row."""
-    rows = np.asarray([t.shape[1] for t in tables])
-    start = np.cumsum([0] + [t.shape[0] * t.shape[1] for t in tables])[:-1]
-    tail = tables[0].shape[2:]
-    flat = np.concatenate([t.reshape((-1,) + tail) for t in tables])
-    return flat, rows, start
+def _flat(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``[M, ...]`` tables as one ``[sum M, ...]`` array, and where each one starts."""
+    start = np.cumsum([0] + [len(t) for t in tables])[:-1]
+    return np.concatenate(tables), start
 
 
 def _widen(table: np.ndarray, width: int) -> np.ndarray:
-    """``[S, p]`` as ``[S, 1, width]``, zeros past ``p``."""
-    out = np.zeros((table.shape[0], 1, width))
-    out[:, 0, : table.shape[1]] = table
+    """``[S, p]`` as ``[S, width]``, zeros past ``p``."""
+    out = np.zeros((table.shape[0], width))
+    out[:, : table.shape[1]] = table
     return out
 
 
@@ -706,6 +725,7 @@ def _unreplaced(long_of: list[tuple], steady: bool) -> list[tuple]:
     pipeline as short as some sibling's short template (same p, v, schedule,
     mode) may run that template (see :func:`_kernel_templates`): which short
     templates there are is known once they are built, so such keys wait."""
+    long_of = set(long_of)
     siblings = {key[:1] + key[2:] for key in long_of if steady and not _never_steady(key)}
     keys = {
         key
@@ -757,8 +777,9 @@ def simulate_configs(
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     kernel = _Kernel()
     # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
+    kernel_mode = {mode: _kernel_mode(mode) for mode in DATA_MODES}
     long_of = [
-        (c.pipeline, c.microbatches, c.virtual_stages, c.schedule, _kernel_mode(c.mode)) for c in configs
+        (c.pipeline, c.microbatches, c.virtual_stages, c.schedule, kernel_mode[c.mode]) for c in configs
     ]
     # Every long pipeline that has a short one: short templates are shared by every k. They
     # are built in another thread while this one fills the tables (their long arrays let
@@ -791,13 +812,16 @@ def simulate_configs(
     peak = np.full(len(configs), np.nan)
     device_capacity = np.asarray(hardware.memory_capacity, np.float64)
 
-    def size(i):  # ops of a configuration's kernel template
-        key = template_of[i]
-        return short[key].template.num_ops if key in short else template_size(*key[:3], key[4])[0]
+    def sizes(ids) -> dict:  # ops of each configuration's kernel template
+        of_key = {
+            key: short[key].template.num_ops if key in short else template_size(*key[:3], key[4])[0]
+            for key in {template_of[i] for i in ids}
+        }
+        return {i: of_key[template_of[i]] for i in ids}
 
     todo = list(range(len(configs)))
     if fit_only:
-        calls = _groups(todo, template_of, {i: size(i) for i in todo})
+        calls = _groups(todo, template_of, sizes(todo))
         for ids, stage_peak, device, real, _ in _run(calls, rows, None, short, periods, templates):
             stage_peak = stage_peak.result()[real]
             peak[ids] = stage_peak.max(axis=1)
@@ -809,7 +833,7 @@ def simulate_configs(
 
     def simulate_ids(ids):
         """Simulates configurations ``ids``; returns those whose period was not certified."""
-        calls = _groups(ids, template_of, {i: size(i) for i in ids})
+        calls = _groups(ids, template_of, sizes(ids))
         redo = set()
         for members, stage_peak, device, real, result in _run(calls, rows, kernel, short, periods, templates):
             times, certified = (x[real] for x in result.result())
@@ -822,13 +846,13 @@ def simulate_configs(
         return len(calls), sorted(redo)
 
     num_calls, redo = simulate_ids(todo)
-    simulated_ops = sum(size(i) for i in todo)
+    simulated_ops = sum(sizes(todo).values())
     phases["simulate"] = time.perf_counter() - tick
     if redo:  # short runs whose period had not settled: the long templates
         tick = time.perf_counter()
         for i in redo:
             template_of[i], periods[i] = long_of[i] + (False,), 0
-        simulated_ops += sum(size(i) for i in redo)
+        simulated_ops += sum(sizes(redo).values())
         simulate_ids(redo)
         phases["uncertified, long"] = time.perf_counter() - tick
     return dict(

@@ -32,6 +32,7 @@ from distir_jax.transforms.coarse import (
     chunk_step_rows,
     chunk_tables,
     chunk_tables_by_mode,
+    mode_rows,
     coarse_pipeline_program,
     coarsen,
     estimated_times,
@@ -387,6 +388,27 @@ def test_tables_by_mode_are_each_modes_tables():
                 )
     # Modes differ where they should: ZeRO shards the resident optimizer state.
     assert np.all(together[1].resident < together[0].resident)
+
+
+def test_mode_rows_expand_to_each_modes_tables():
+    features = layer_features(GPT, 2, "full", [1, 2, 4], topology())
+    layers = balanced_layers(features, 4)
+    modes = [(2, False, "sync"), (2, True, "sync"), (2, False, "overlap"), (2, True, "overlap_zero")]
+    modes.append((1, False, "none"))
+    rows = mode_rows(features, layers, 2, 8, modes)
+    update = slice(3 * len(layers) + 1, 3 * len(layers) + 1 + 2)  # the two stages' update rows
+    for i, (data, zero, mode) in enumerate(modes):
+        want = chunk_tables(features, layers, 2, 8, data=data, zero=zero, mode=mode, step_rows=False)
+        for size in range(3):  # cost rows past the steps do not depend on the microbatch size
+            np.testing.assert_array_equal(rows.other[i], want.cost[size], err_msg=f"{mode} cost")
+        for name in ("alloc", "free"):
+            got = getattr(rows, name).copy()
+            got[:, update, 0] += rows.update_extra[i]
+            np.testing.assert_array_equal(got, getattr(want, name), err_msg=f"{mode} {name}")
+        np.testing.assert_array_equal(rows.resident[i], want.resident, err_msg=f"{mode} resident")
+    # Only a synchronous all-reduce (or reduce-scatter) adds a transient to the update rows.
+    assert np.all(rows.update_extra[[0, 1]] > 0) and np.all(rows.update_extra[2:] == 0)
+    assert not rows.alloc.flags.writeable and not rows.free.flags.writeable  # shared by the modes
 
 
 def test_the_template_cache_can_be_shared_between_threads():

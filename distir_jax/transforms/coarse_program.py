@@ -51,6 +51,7 @@ from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_template,
 
 __all__ = [
     "ChunkTables",
+    "ModeRows",
     "SplitBlockError",
     "balanced_layers",
     "chunk_step_rows",
@@ -59,6 +60,7 @@ __all__ = [
     "coarse_pipeline_program",
     "event_stage_peaks",
     "links_by_kind",
+    "mode_rows",
     "part_coefficients",
     "realize",
     "segment_plan",
@@ -275,7 +277,8 @@ def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _Pipeline
     stage_coef = np.zeros((p, parts.coef.shape[1]))
     np.add.at(stage_coef, np.arange(len(layers)) % p, parts.coef)
     stage_coef.setflags(write=False)
-    return dataclasses.replace(parts, stage_coef=stage_coef)
+    # Not dataclasses.replace: it costs more than the rest of this function.
+    return _PipelineParts(parts.coef, stage_coef, parts.steps, parts.fwd, parts.bwd)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -402,10 +405,65 @@ def chunk_tables_by_mode(
     ``(data, zero, mode)`` of ``modes``, computed together: what they share
     once, the rest stacked over them (a sweep's data-parallel variants of a
     pipeline cost little more than one). ``step_rows`` as for
-    :func:`chunk_tables`; one :class:`ChunkTables` per mode, in order."""
+    :func:`chunk_tables`; one :class:`ChunkTables` per mode, in order.
+    :func:`mode_rows` gives the same numbers without the copies."""
+    rows = mode_rows(features, layers_per_chunk, pipeline, microbatches, modes)
+    m, (s, memory_rows, _) = len(modes), rows.alloc.shape
+    n, p = len(layers_per_chunk), int(pipeline)
+    steps = [_chunk_parts(features, rows.layers).steps] if step_rows else []  # [S, 3n + 1, F]
+    cost = np.empty((m, s, sum(x.shape[1] for x in steps) + rows.other.shape[1], _F))
+    if steps:
+        cost[:, :, : steps[0].shape[1]] = steps[0]
+    cost[:, :, cost.shape[2] - rows.other.shape[1] :] = rows.other[:, None]
+    alloc = np.empty((m, s, memory_rows, 2))
+    alloc[:] = rows.alloc
+    free = np.empty_like(alloc)
+    free[:] = rows.free
+    update = slice(3 * n + 1, 3 * n + 1 + p)
+    alloc[:, :, update, 0] += rows.update_extra[:, None]
+    free[:, :, update, 0] += rows.update_extra[:, None]
+    return [ChunkTables(cost[i], alloc[i], free[i], rows.resident[i]) for i in range(m)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeRows:
+    """:func:`chunk_tables_by_mode`'s tables of one pipeline, compact: what its
+    ``M`` data-parallel modes share once, the rest per mode, and no size axis
+    where the numbers do not depend on the microbatch size. A mode's
+    :class:`ChunkTables` (``step_rows=False``) is ``cost = other`` (for every
+    size), ``alloc`` and ``free`` with ``update_extra`` added to slot 0 of
+    the update rows (``3n + 1 .. 3n + p``), and ``resident``.
+
+    Attributes:
+      layers: blocks per chunk.
+      alloc, free: ``[S, 3n + p + 3, 2]`` memory rows every mode shares (read only).
+      update_extra: ``[M, p]`` bytes each stage's update allocates and frees
+        besides (the transient of reducing its gradients, mode ``"sync"``).
+      other: ``[M, n + 2p, F]`` the cost rows after the step rows: each chunk's
+        reduction, each stage's update and gather (independent of the size).
+      resident: ``[M, S, p]`` bytes resident per stage.
+    """
+
+    layers: tuple[int, ...]
+    alloc: np.ndarray
+    free: np.ndarray
+    update_extra: np.ndarray
+    other: np.ndarray
+    resident: np.ndarray
+
+
+def mode_rows(
+    features: LayerFeatures,
+    layers_per_chunk: Sequence[int],
+    pipeline: int,
+    microbatches: int,
+    modes: Sequence[tuple[int, bool, str]],
+) -> ModeRows:
+    """The tables of :func:`chunk_tables_by_mode` (without step rows) as
+    :class:`ModeRows`: for sweeps that gather rows from them rather than copy them."""
     p, k = int(pipeline), int(microbatches)
     layers = tuple(int(x) for x in layers_per_chunk)
-    n, s, m = len(layers), features.num_variants, len(modes)
+    s, m = features.num_variants, len(modes)
     base = _pipeline_parts(features, layers, p)
     data = np.asarray([int(d) for d, _, _ in modes], np.int64)
     zero = np.asarray([bool(z) for _, z, _ in modes])
@@ -417,33 +475,27 @@ def chunk_tables_by_mode(
     adam = np.repeat(features.optimizer[None], m, axis=0)
     adam[:, :, _SCALED] /= shard[:, None, None]
     update_parts = adam + np.where(sync[:, None, None], reduce_parts + gather_parts, 0.0)
-    rows = [base.steps[None]] if step_rows else []  # forward, first backward, later backwards, a message
-    rows += [
-        np.matmul(base.coef, reduce_parts)[:, None],  # each chunk's reduction
-        np.matmul(base.stage_coef, update_parts)[:, None],  # each stage's update
-        np.matmul(base.stage_coef, gather_parts)[:, None],  # each stage's gather
-    ]
-    cost = np.empty((m, s, sum(x.shape[2] for x in rows), _F))
-    at = 0
-    for x in rows:
-        cost[:, :, at : at + x.shape[2]] = x
-        at += x.shape[2]
-    alloc_base, free_base, params, state = _memory_base(features, layers, p)
-    alloc = np.repeat(alloc_base[None], m, axis=0)
-    free = np.repeat(free_base[None], m, axis=0)
+    other = np.concatenate(
+        [
+            np.matmul(base.coef, reduce_parts),  # each chunk's reduction
+            np.matmul(base.stage_coef, update_parts),  # each stage's update
+            np.matmul(base.stage_coef, gather_parts),  # each stage's gather
+        ],
+        axis=1,
+    )
+    alloc, free, params, state = _memory_base(features, layers, p)
+    extra = np.zeros((m, p))
     for i in np.flatnonzero(sync):
         # Without ZeRO the reduction's peak does not depend on the degree (cache key).
         key = (int(data[i]), True) if zero[i] else (1, False)
-        extra = _reduction_peak(features, layers, p, *key)
-        alloc[i, :, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
-        free[i, :, 3 * n + 1 : 3 * n + 1 + p, 0] += extra
+        extra[i] = _reduction_peak(features, layers, p, *key)
     sharded = (zero & (data > 1))[:, None]
     resident = params + state / shard[:, None] + np.where(sharded, params / shard[:, None], 0.0)  # [M, p]
     data_inputs = k * features.data_bytes  # [S]
     resident = np.repeat(resident[:, None], s, axis=1)
     resident[:, :, 0] += data_inputs  # tokens, on the first chunk's stage
-    resident[:, :, (n - 1) % p] += data_inputs  # labels, on the last chunk's stage
-    return [ChunkTables(cost[i], alloc[i], free[i], resident[i]) for i in range(m)]
+    resident[:, :, (len(layers) - 1) % p] += data_inputs  # labels, on the last chunk's stage
+    return ModeRows(layers, alloc, free, extra, other, resident)
 
 
 def chunk_step_rows(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> np.ndarray:
