@@ -23,11 +23,14 @@ and configuration on a CPU (the general kernel's per-row gathers cost
 row, stages, link) of a template and only for the columns the call's templates
 use (~1/6 of its table), from one flat table of every key's cost rows (the
 chunks' step rows stored once per (features, layers), shared by every
-pipeline depth and data-parallel mode), in NumPy: compiling them would cost
-more than computing them. The kernel compiles, and its calls (durations, then
-slices) are issued, in a background thread while the host builds tables; XLA's CPU client runs on
-one intra-op thread (``NPROC=1``, see below). Peak memory needs no timeline:
-two more threads compute it per template, vectorized over its rows.
+pipeline depth and data-parallel mode; the rest once per key, for every
+microbatch size), in NumPy: compiling them would cost more than computing
+them. The kernel compiles, and its calls (durations, then slices) are
+issued, in a background thread while the host finds steady templates and
+fills tables; a third thread reads each call's result; XLA's CPU client runs
+on one intra-op thread (``NPROC=1``, see below). Peak memory needs no
+timeline: two more threads compute it per template, vectorized over its rows
+(before that, they build the long templates no short one replaces).
 
     python benchmarks/sweep_gpt3.py            # the whole space
     python benchmarks/sweep_gpt3.py --quick    # a deterministic subsample, < 40 s
@@ -48,11 +51,12 @@ differ only in ops that take no time share templates (:func:`_kernel_mode`):
 228 templates in all. The kernel runs in float64 here, so the period's
 certificate (every resource's clock moves by the same amount) holds to
 ~1e-12; a row that fails it is simulated at full length. Where the time goes
-on a 2-core CPU (~2.4-3.3 s in all, see ``benchmarks/RESULTS.md``): measuring
-blocks and filling chunk tables (~1-1.5 s; the steady templates, ~0.6 s, are
-built meanwhile in a worker thread), then the other templates and call
-assembly (~1.2-1.5 s, the kernel and peak memory overlapped). Most of it is
-Python on the main thread, which holds the GIL: more threads would not help.
+on a 2-core CPU (~1.6-1.9 s in all, see ``benchmarks/RESULTS.md``): finding
+the steady templates (~0.6-0.75 s, while the compile and the long templates
+run), measuring blocks and filling tables (~0.35 s), then the short
+templates' arrays and the calls (~0.6-0.75 s, the kernel and peak memory
+overlapped). Until the first call it is Python on small arrays, which holds
+the GIL: more threads would not help there.
 """
 
 from __future__ import annotations
