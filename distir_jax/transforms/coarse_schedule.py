@@ -74,56 +74,47 @@ def schedule_arrays(schedule: str, p: int, k: int, v: int = 1):
 
 @functools.lru_cache(maxsize=1024)
 def _schedule_arrays(schedule: str, p: int, k: int, v: int):
-    rows = []
-    for s in range(p):
-        if schedule == "gpipe":
-            mb = np.concatenate([np.arange(k), np.arange(k)])
-            backward = np.repeat([False, True], k)
-            chunk = np.full(2 * k, s)
-        elif schedule == "1f1b":
-            chunk, mb, backward = _one_f_one_b(s, p, k)
-        else:
-            chunk, mb, backward = _interleaved(s, p, k, v)
-        rows.append((chunk, mb, backward))
+    # Every device at once: device ``s`` runs ``warm[s]`` forwards, then
+    # alternating pairs, then the remaining backwards.
+    s = np.arange(p)[:, None]  # [p, 1]
+    t = np.arange(2 * k * v)[None, :]  # [1, 2kv] each step's position
+    if schedule == "gpipe":
+        backward = np.broadcast_to(t >= k, (p, 2 * k))
+        mb, chunk = np.broadcast_to(t % k, (p, 2 * k)), np.broadcast_to(s, (p, 2 * k))
+    elif schedule == "1f1b":
+        index, backward = _interleave_positions(t, np.minimum(p - s, k), k, backward_first=True)
+        mb, chunk = index, np.broadcast_to(s, index.shape)
+    else:
+        total = k * v
+        index, backward = _interleave_positions(
+            t, np.minimum(2 * (p - s - 1) + (v - 1) * p, total), total, backward_first=False
+        )
+        group, j = np.divmod(index, p * v)
+        local = j // p
+        mb = group * p + j % p
+        chunk = np.where(backward, v - 1 - local, local) * p + s
     arrays = tuple(
-        np.stack([r[i] for r in rows]).astype(dtype) for i, dtype in enumerate((np.int64, np.int64, bool))
+        np.ascontiguousarray(x, dtype=dtype)
+        for x, dtype in zip((chunk, mb, backward), (np.int64, np.int64, bool), strict=True)
     )
     for x in arrays:
         x.setflags(write=False)
     return arrays
 
 
-def _interleave(forward: np.ndarray, backward: np.ndarray, warm: int, backward_first: bool):
-    """Warm-up forwards, then alternating pairs, then the remaining backwards."""
-    total = len(forward)
+def _interleave_positions(t: np.ndarray, warm: np.ndarray, total: int, backward_first: bool):
+    """The pass of each position ``t`` (``[1, 2 total]``) of each device (``warm``:
+    ``[p, 1]`` warm-up forwards): ``(index, backward)``, ``[p, 2 total]`` each. A
+    device runs forwards ``0 .. warm - 1``, then pairs (backward ``j`` and forward
+    ``warm + j``, in either order), then the remaining backwards."""
     steady = total - warm
-    pair = [backward[:steady], forward[warm:]] if backward_first else [forward[warm:], backward[:steady]]
-    flags = [True, False] if backward_first else [False, True]
-    order = np.concatenate([forward[:warm], np.stack(pair, axis=1).reshape(-1), backward[steady:]])
-    is_backward = np.concatenate(
-        [np.zeros(warm, bool), np.tile(flags, steady), np.ones(total - steady, bool)]
-    )
-    return order, is_backward
-
-
-def _one_f_one_b(s: int, p: int, k: int):
-    warm = min(p - s, k)
-    mb, backward = _interleave(np.arange(k), np.arange(k), warm, backward_first=True)
-    return np.full(2 * k, s), mb, backward
-
-
-def _interleaved(s: int, p: int, k: int, v: int):
-    total = k * v
-    i = np.arange(total)
-    group, j = np.divmod(i, p * v)
-    local = j // p
-    microbatch = group * p + j % p
-    forward_chunk = local * p + s
-    backward_chunk = (v - 1 - local) * p + s
-    warm = min(2 * (p - s - 1) + (v - 1) * p, total)
-    index, backward = _interleave(i, i, warm, backward_first=False)
-    chunk = np.where(backward, backward_chunk[index], forward_chunk[index])
-    return chunk, microbatch[index], backward
+    u = t - warm  # position within the pairs
+    in_pairs = (u >= 0) & (u < 2 * steady)
+    second = u % 2 == 1  # the second of a pair
+    pair_backward = second != backward_first
+    backward = np.where(in_pairs, pair_backward, u >= 0)
+    index = np.where(in_pairs, np.where(pair_backward, u // 2, warm + u // 2), np.where(u < 0, t, t - total))
+    return index, backward
 
 
 # Step costs only order steps (by estimated start). They are rounded to integers
@@ -194,11 +185,13 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
     bwd_dep = backward & (chunk < num_chunks - 1)
     dep[bwd_dep] = position[1, chunk[bwd_dep] + 1, microbatch[bwd_dep]]
     has_dep = dep >= 0
-    dep_index = np.maximum(dep, 0)
+    # A step without an input reads the zero past the finishes (a where per row update costs more).
+    dep_index = np.where(has_dep, dep, p * m)
     total = np.cumsum(cost, axis=1)
     before = total - cost
-    finish = total.copy()
-    flat_finish = finish.reshape(-1)  # a view: row updates show through it
+    flat_finish = np.zeros(p * m + 1)
+    finish = flat_finish[: p * m].reshape(p, m)  # a view: row updates show through it
+    finish[:] = total
     # A device's finishes from its steps' inputs: ``total`` plus the largest wait so
     # far. Iterated from ``total`` up, this reaches the least fixed point, whatever
     # the order rows are updated in. Deep pipelines update rows in device order and
@@ -212,12 +205,15 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
     for _ in range(2 * p * m + 2):
         changed = False
         for d in rows:
-            wait = np.where(has_dep[d], flat_finish[dep_index[d]], 0.0) - before[d]
-            new = total[d] + np.maximum.accumulate(np.maximum(wait, 0.0), axis=-1)
-            if not np.array_equal(new, finish[d]):
-                finish[d], changed = new, True
+            wait = flat_finish[dep_index[d]]
+            wait -= before[d]
+            np.maximum(wait, 0.0, out=wait)
+            np.maximum.accumulate(wait, axis=-1, out=wait)
+            wait += total[d]
+            if (wait != finish[d]).any():
+                finish[d], changed = wait, True
         if not changed:
-            ext = np.where(has_dep, flat_finish[dep_index], 0.0)
+            ext = flat_finish[dep_index]
             # Starts from the finishes they wait for, not ``finish - cost``: float
             # rounding could put a step's start a bit before its input's finish.
             previous = np.concatenate([np.zeros((p, 1)), finish[:, :-1]], axis=1)
