@@ -321,6 +321,7 @@ class _Kernel:
     def load(self, cost: np.ndarray, hw_rows) -> None:
         """Every key's cost tables (``_Rows.cost``) and the hardware, for the calls' durations."""
         self.cost, self.hw_rows = cost, hw_rows
+        self.packed = _WORKER.submit(_packed_costs, cost, hw_rows)  # before any call's durations
 
     def __call__(self, columns, slices, before, after, periods) -> concurrent.futures.Future:
         """Issues one call in the background (after the earlier ones): its op durations
@@ -340,7 +341,7 @@ class _Kernel:
         base, units, unit_group, unit_column, *layout = columns
         seconds = np.zeros((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP))
         seconds[unit_group, unit_column] = _unit_seconds(
-            self.cost, base, units, unit_group, *layout, self.hw_rows
+            self.cost, self.packed.result(), base, units, unit_group, *layout, self.hw_rows
         )
         with jax.enable_x64(True):  # a `with` does not reach other threads
             state, seconds = jax.device_put((_start(), seconds))
@@ -510,13 +511,15 @@ def _widen(table: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def _unit_seconds(cost, base, units, unit_group, device, tp_link, dp_link, hw_rows):
+def _unit_seconds(cost, packed, base, units, unit_group, device, tp_link, dp_link, hw_rows):
     """``[U, Bg]`` seconds of ``U`` seconds columns of a call's groups, for each
     of their rows (NumPy, in the kernel's thread: a compiled function would cost
     more to compile than this costs to run).
 
     Args:
       cost: ``[T, F]`` every key's cost tables, flat (``_Rows.cost``).
+      packed: None, or ``[T, 3]`` each cost row's compute seconds, link hops and
+        link bytes (:func:`_packed_costs`: every device computes at one speed).
       base: ``[G * Bg, 3]`` where each row's step rows and other rows start in
         ``cost``, and its first other row (``_Rows.cost_base``).
       units: ``[U, 4]`` the columns: cost row, stage, second stage and link kind.
@@ -528,13 +531,35 @@ def _unit_seconds(cost, base, units, unit_group, device, tp_link, dp_link, hw_ro
     cost_row, stage, second, kind = (units[:, i, None] for i in range(4))  # [U, 1] each
     row = unit_group[:, None] * b + np.arange(b)  # [U, Bg]
     steps, other, split = (base[row, i] for i in range(3))
-    features = cost[np.where(cost_row < split, steps, other) + cost_row]  # [U, Bg, F]
+    index = np.where(cost_row < split, steps, other) + cost_row
     sender = device[row, stage]
     send = np.stack([sender, np.where(second >= 0, device[row, second], -1)], -1)
     link = links_by_kind(kind, send, tp_link[row, stage], dp_link[row, stage], xp=np)
+    if packed is not None:  # op_seconds' sum with its compute part read: the same floats
+        d, table = hw_rows.num_devices, hw_rows.table[0]
+        pair = link[..., 0] * d + link[..., 1] + 2 * d  # op_speeds' link rows
+        x = packed[index]  # [U, Bg, 3]
+        return x[..., 0] + x[..., 1] * table[pair + d * d] + x[..., 2] * table[pair]
+    features = cost[index]  # [U, Bg, F]
     speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, np))
     speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
     return op_seconds(np, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)
+
+
+def _packed_costs(cost: np.ndarray, hw_rows) -> np.ndarray | None:
+    """``[T, 3]``: each cost row's compute seconds (``op_seconds`` without its link
+    terms), link hops and link bytes, when every device computes at one speed
+    (else None): a duration then reads three numbers instead of seven and its
+    device's speeds."""
+    d, table = hw_rows.num_devices, hw_rows.table[0]
+    per_flop, per_byte = table[:d], table[d : 2 * d]
+    if np.any(per_flop != per_flop[0]) or np.any(per_byte != per_byte[0]):
+        return None
+    f = {name: cost[:, i] for i, name in enumerate(COST_FEATURES)}
+    packed = np.empty((len(cost), 3))
+    packed[:, 0] = op_seconds(np, f, per_flop[0], per_byte[0], np.reshape(hw_rows.launch, ()), 0.0, 0.0)
+    packed[:, 1], packed[:, 2] = f["comm_hops"], f["comm_volume"]
+    return packed
 
 
 def _slices(ops: list[np.ndarray], pad: np.ndarray):
@@ -557,22 +582,24 @@ def _groups(ids, template_of, size_of) -> list[list[tuple]]:
         for key, m in members.items()
         for j in range(0, len(m), _ROWS_PER_GROUP)
     ]
-    groups.sort(key=lambda group: (-size_of[group[1][0]], group[1][0]))
+    groups.sort(key=lambda group: -size_of[group[1][0]])  # stable: a template's groups stay together
     return [groups[j : j + _GROUPS_PER_CALL] for j in range(0, len(groups), _GROUPS_PER_CALL)]
 
 
 def _stage_peaks(arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray, periods) -> np.ndarray:
     """``[len(groups) * Bg, _MAX_STAGES]`` each configuration's peak bytes per stage
-    (``ids``: the groups' rows, ``Bg`` per group): the product's rule, per template,
-    from event bytes gathered straight from the flat tables (spare rows stay zero)."""
+    (``ids``: the groups' rows, ``Bg`` per group): the product's rule, per template
+    (consecutive groups of one template together), from event bytes gathered
+    straight from the flat tables (spare rows stay zero)."""
     b = _ROWS_PER_GROUP
     stage_peak = np.zeros((len(ids), _MAX_STAGES))
-    for i, (a, (_, members)) in enumerate(zip(arrays, groups, strict=True)):
-        at = slice(i * b, i * b + len(members))
-        template = a["template"]
+    runs = [i for i in range(len(arrays)) if i == 0 or arrays[i] is not arrays[i - 1]] + [len(arrays)]
+    for lo, hi in zip(runs[:-1], runs[1:], strict=True):
+        a = arrays[lo]
+        at = np.concatenate([i * b + np.arange(len(groups[i][1])) for i in range(lo, hi)])
         net, free = rows.event_bytes(ids[at], a["event_slot"])
         stage_peak[at] = event_stage_peaks(
-            template, net, free, rows.resident(ids[at]), a["steady"], extra_periods=periods[ids[at]]
+            a["template"], net, free, rows.resident(ids[at]), a["steady"], extra_periods=periods[ids[at]]
         )
     return stage_peak
 

@@ -1,6 +1,7 @@
 """Benchmark (b)'s own pipeline (grouped timeline kernel, steady templates, host peaks)
 against the product's coarse program of each configuration, simulated alone."""
 
+import dataclasses
 import os
 import sys
 
@@ -74,3 +75,27 @@ def test_every_row_is_simulated_once_whatever_the_call_shape(small_gpt, monkeypa
     for name in ("step_time", "peak", "status"):
         np.testing.assert_array_equal(got[name], want[name])
     assert got["calls"] > want["calls"]
+
+
+def test_durations_from_packed_costs_are_op_seconds_bit_for_bit(small_gpt, monkeypatch):
+    """Devices of one speed let a duration read a precomputed compute part: the same floats."""
+    model, topology, configs = small_gpt
+    with jax.enable_x64(True):
+        packed = sweep_gpt3.simulate_configs(model, topology, configs)
+        monkeypatch.setattr(sweep_gpt3, "_packed_costs", lambda cost, hw_rows: None)
+        general = sweep_gpt3.simulate_configs(model, topology, configs)
+    for name in ("step_time", "peak", "status"):
+        np.testing.assert_array_equal(packed[name], general[name])
+
+
+def test_packed_costs_only_for_devices_of_one_speed():
+    from distir_jax.kernel import hardware_rows
+
+    hardware = jax.tree_util.tree_map(
+        lambda x: np.asarray(x, np.float64), Hardware.from_topology(get_preset("dgx-a100-80gb:16"))
+    )
+    cost = np.abs(np.random.default_rng(0).normal(size=(5, 7)))
+    with jax.enable_x64(True):
+        assert sweep_gpt3._packed_costs(cost, hardware_rows(hardware, True, xp=np)).shape == (5, 3)
+        slower = dataclasses.replace(hardware, peak_flops=hardware.peak_flops * np.linspace(1.0, 2.0, 16))
+        assert sweep_gpt3._packed_costs(cost, hardware_rows(slower, True, xp=np)) is None
