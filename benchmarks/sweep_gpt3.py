@@ -51,12 +51,12 @@ differ only in ops that take no time share templates (:func:`_kernel_mode`):
 228 templates in all. The kernel runs in float64 here, so the period's
 certificate (every resource's clock moves by the same amount) holds to
 ~1e-12; a row that fails it is simulated at full length. Where the time goes
-on a 2-core CPU (~1.6-1.9 s in all, see ``benchmarks/RESULTS.md``): finding
-the steady templates (~0.6-0.75 s, while the compile and the long templates
-run), measuring blocks and filling tables (~0.35 s), then the short
-templates' arrays and the calls (~0.6-0.75 s, the kernel and peak memory
-overlapped). Until the first call it is Python on small arrays, which holds
-the GIL: more threads would not help there.
+on a 2-core CPU (~1.5-1.9 s in all, see ``benchmarks/RESULTS.md``): finding
+the steady templates (~0.55-0.7 s, while the kernel compiles and the peaks
+threads build the long templates), measuring blocks and filling tables
+(~0.3 s), then the short templates' arrays and the calls (~0.6 s, the
+kernel and peak memory overlapped). Until the first call it is Python on
+small arrays, which holds the GIL: more threads would not help there.
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ _COST_ROWS = 4 * _MAX_CHUNKS + 2 * _MAX_STAGES + 2  # the last row stays zero (p
 _PERIOD_RESOURCES = 2 * _MAX_STAGES
 # Largest relative error the steady-state certificate's bound may allow (float64 kernel).
 _STEADY_RTOL = 1e-9
-# Long templates of at least this many ops are built in a worker thread (their
-# NumPy work runs while the main thread's Python holds the GIL).
+# Long templates no short one replaces are built in the peaks threads, those of
+# at least this many ops (mostly NumPy over their ops) in one, the others in the other.
 _LARGE_TEMPLATE = 4096
 # One compiled kernel serves the whole sweep: every call has these shapes. A
 # call holds _GROUPS_PER_CALL groups of _ROWS_PER_GROUP configurations, each
