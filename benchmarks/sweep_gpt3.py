@@ -80,7 +80,7 @@ os.environ.setdefault("NPROC", "1")
 import jax
 import numpy as np
 
-from distir_jax.cost import COST_FEATURES, op_seconds
+from distir_jax.cost import COST_FEATURES, compute_seconds, op_seconds, with_link_seconds
 from distir_jax.grouped_timeline import (
     GroupedTimeline,
     pack_ops,
@@ -406,7 +406,7 @@ class _Rows:
         memory = []
         self.pipeline_of = np.zeros(len(keys), np.intp)
         self.update_extra = np.zeros((len(keys), _MAX_STAGES))
-        self.update_row = np.zeros(len(keys), np.intp)  # the first update row (3n + 1)
+        self.update_row = np.zeros(len(keys), np.intp)  # the first (ModeRows.update_rows)
         self.stages = np.zeros(len(keys), np.intp)
         resident = [None] * len(keys)
         variants: dict[tuple, list] = {}
@@ -424,7 +424,7 @@ class _Rows:
             self.pipeline_of[ids] = len(memory)
             memory.append((made.alloc, made.free))
             self.update_extra[ids, :p] = made.update_extra
-            self.update_row[ids], self.stages[ids] = 3 * p * v + 1, p
+            self.update_row[ids], self.stages[ids] = made.update_rows.start, p
             for j, i in enumerate(ids):
                 other[i], resident[i], data_bytes[i] = made.other[j], made.resident[j], features.data_bytes
             self.split[ids], self.steps[ids] = 3 * p * v + 1, step
@@ -535,11 +535,11 @@ def _unit_seconds(cost, packed, base, units, unit_group, device, tp_link, dp_lin
     sender = device[row, stage]
     send = np.stack([sender, np.where(second >= 0, device[row, second], -1)], -1)
     link = links_by_kind(kind, send, tp_link[row, stage], dp_link[row, stage], xp=np)
-    if packed is not None:  # op_seconds' sum with its compute part read: the same floats
+    if packed is not None:  # op_seconds from its compute part: the same floats
         d, table = hw_rows.num_devices, hw_rows.table[0]
         pair = link[..., 0] * d + link[..., 1] + 2 * d  # op_speeds' link rows
         x = packed[index]  # [U, Bg, 3]
-        return x[..., 0] + x[..., 1] * table[pair + d * d] + x[..., 2] * table[pair]
+        return with_link_seconds(x[..., 0], x[..., 1], x[..., 2], table[pair], table[pair + d * d])
     features = cost[index]  # [U, Bg, F]
     speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, np))
     speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
@@ -547,8 +547,8 @@ def _unit_seconds(cost, packed, base, units, unit_group, device, tp_link, dp_lin
 
 
 def _packed_costs(cost: np.ndarray, hw_rows) -> np.ndarray | None:
-    """``[T, 3]``: each cost row's compute seconds (``op_seconds`` without its link
-    terms), link hops and link bytes, when every device computes at one speed
+    """``[T, 3]``: each cost row's compute seconds (:func:`~distir_jax.cost.compute_seconds`),
+    link hops and link bytes, when every device computes at one speed
     (else None): a duration then reads three numbers instead of seven and its
     device's speeds."""
     d, table = hw_rows.num_devices, hw_rows.table[0]
@@ -557,7 +557,7 @@ def _packed_costs(cost: np.ndarray, hw_rows) -> np.ndarray | None:
         return None
     f = {name: cost[:, i] for i, name in enumerate(COST_FEATURES)}
     packed = np.empty((len(cost), 3))
-    packed[:, 0] = op_seconds(np, f, per_flop[0], per_byte[0], np.reshape(hw_rows.launch, ()), 0.0, 0.0)
+    packed[:, 0] = compute_seconds(np, f, per_flop[0], per_byte[0], np.reshape(hw_rows.launch, ()))
     packed[:, 1], packed[:, 2] = f["comm_hops"], f["comm_volume"]
     return packed
 

@@ -51,15 +51,29 @@ def op_seconds(
         (``inverse_bandwidth`` of it).
       maximum: the max to use in the roofline (a smooth max for gradients).
     """
+    compute = compute_seconds(xp, features, seconds_per_flop, seconds_per_byte, launch_overhead, maximum)
+    return with_link_seconds(
+        compute, features["comm_hops"], features["comm_volume"], seconds_per_link_byte, link_latency
+    )
+
+
+def compute_seconds(xp, features, seconds_per_flop, seconds_per_byte, launch_overhead, maximum=None):
+    """The compute part of :func:`op_seconds` (launches and roofline; no link)."""
     maximum = xp.maximum if maximum is None else maximum
     f = features
-    compute = (
+    return (
         f["launches"] * launch_overhead
         + maximum(f["flops"] * seconds_per_flop, f["mem_bytes"] * seconds_per_byte)
         + f["linear_flops"] * seconds_per_flop
         + f["linear_bytes"] * seconds_per_byte
     )
-    return compute + f["comm_hops"] * link_latency + f["comm_volume"] * seconds_per_link_byte
+
+
+def with_link_seconds(compute, comm_hops, comm_volume, seconds_per_link_byte, link_latency):
+    """:func:`op_seconds` from its compute part (:func:`compute_seconds`): the link's
+    latency per hop and seconds per byte added, in that order (callers that keep
+    the compute part get the same floats)."""
+    return compute + comm_hops * link_latency + comm_volume * seconds_per_link_byte
 
 
 def inverse_bandwidth(xp, bandwidth):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distir_jax.cost import COST_FEATURES, inverse_bandwidth, op_seconds
+from distir_jax.cost import COST_FEATURES, compute_seconds, inverse_bandwidth, op_seconds
 from distir_jax.hardware import Hardware
 from distir_jax.lower import Program
 
@@ -258,7 +258,7 @@ def op_costs(
     weight = 1.0 if weights is None else xp.broadcast_to(xp.asarray(weights, dtype), shape)
     compute = None
     if split_compute:
-        compute = xp.broadcast_to(op_seconds(xp, _compute_part(features, xp), *speeds, maximum), shape)
+        compute = xp.broadcast_to(compute_seconds(xp, features, *speeds[:3], maximum), shape)
         compute = (compute * weight).T
     return OpCosts(seconds.T, (seconds * weight).T, compute)
 
@@ -417,7 +417,7 @@ def run_ops(
         seconds = jnp.broadcast_to(op_seconds(jnp, x, *speeds, maximum), (b,))
         if not split_compute:
             return seconds, None
-        return seconds, jnp.broadcast_to(op_seconds(jnp, _compute_part(x), *speeds, maximum), (b,))
+        return seconds, jnp.broadcast_to(compute_seconds(jnp, x, *speeds[:3], maximum), (b,))
 
     def step(carry: Timeline, x):
         slot_ok = x["slot_ok"] if x["slot_ok"].ndim == 2 else x["slot_ok"][:, None]
@@ -451,15 +451,6 @@ def run_ops(
         return new, ((start, fin) if record_ops else None)
 
     return jax.lax.scan(step, state, xs)
-
-
-_COMM_FEATURES = ("comm_volume", "comm_hops")
-
-
-def _compute_part(features: dict, xp=jnp) -> dict:
-    """The features with the communication ones zeroed: the cost model adds a
-    compute and a communication part, so these give the compute part."""
-    return {k: xp.zeros_like(v) if k in _COMM_FEATURES else v for k, v in features.items()}
 
 
 def conclude(

@@ -409,7 +409,6 @@ def chunk_tables_by_mode(
     :func:`mode_rows` gives the same numbers without the copies."""
     rows = mode_rows(features, layers_per_chunk, pipeline, microbatches, modes)
     m, (s, memory_rows, _) = len(modes), rows.alloc.shape
-    n, p = len(layers_per_chunk), int(pipeline)
     steps = [_chunk_parts(features, rows.layers).steps] if step_rows else []  # [S, 3n + 1, F]
     cost = np.empty((m, s, sum(x.shape[1] for x in steps) + rows.other.shape[1], _F))
     if steps:
@@ -419,9 +418,8 @@ def chunk_tables_by_mode(
     alloc[:] = rows.alloc
     free = np.empty_like(alloc)
     free[:] = rows.free
-    update = slice(3 * n + 1, 3 * n + 1 + p)
-    alloc[:, :, update, 0] += rows.update_extra[:, None]
-    free[:, :, update, 0] += rows.update_extra[:, None]
+    alloc[:, :, rows.update_rows, 0] += rows.update_extra[:, None]
+    free[:, :, rows.update_rows, 0] += rows.update_extra[:, None]
     return [ChunkTables(cost[i], alloc[i], free[i], rows.resident[i]) for i in range(m)]
 
 
@@ -432,7 +430,7 @@ class ModeRows:
     where the numbers do not depend on the microbatch size. A mode's
     :class:`ChunkTables` (``step_rows=False``) is ``cost = other`` (for every
     size), ``alloc`` and ``free`` with ``update_extra`` added to slot 0 of
-    the update rows (``3n + 1 .. 3n + p``), and ``resident``.
+    the update rows (:attr:`update_rows`), and ``resident``.
 
     Attributes:
       layers: blocks per chunk.
@@ -450,6 +448,12 @@ class ModeRows:
     update_extra: np.ndarray
     other: np.ndarray
     resident: np.ndarray
+
+    @property
+    def update_rows(self) -> slice:
+        """The memory rows of the stages' updates, ``3n + 1 .. 3n + p``."""
+        start = 3 * len(self.layers) + 1
+        return slice(start, start + self.update_extra.shape[1])
 
 
 def mode_rows(
@@ -973,16 +977,14 @@ def event_stage_peaks(
     callers that gather them from tables of their own in one pass. Both
     arrays are overwritten (they are the largest ones here: no copies)."""
     stages, starts, _ = template.stage_runs
-    delta = net
     # Values at the few events read later, before the running sums overwrite them.
-    first_delta = delta[:, starts]
+    first_delta = net[:, starts]
     if steady is not None:
         runs, run_stage, run_part, stage_runs, (first, last) = steady.stage_part_runs
         q0, q1 = np.maximum(first, 0), np.maximum(last, 0)
-        q0_delta = delta[:, q0]
-    level = np.cumsum(
-        delta, axis=1, out=delta
-    )  # bytes after each event, counted from the first stage's start
+        q0_delta = net[:, q0]
+    # Bytes after each event, counted from the first stage's start.
+    level = np.cumsum(net, axis=1, out=net)
     # An event's top (its level before it, plus what it allocates) is ``level + free``;
     # each stage's rise is its largest top above the level its run starts from.
     base = level[:, starts] - first_delta  # [S, stages]
