@@ -69,6 +69,7 @@ import platform
 import threading
 import time
 import types
+from typing import NamedTuple
 
 # One intra-op thread for XLA's CPU client (it reads NPROC when it starts, at the
 # first computation), unless the caller set one: a timeline step moves a few
@@ -243,13 +244,15 @@ def _template_arrays(template, steady=None) -> dict:
     dep_slot, out_slot = template.dep_slot[:, 0], template.out_slot
     pack_ops(resource, dep_slot, out_slot, column, _RESOURCES, _MAX_SLOTS, out=ops[:n])
     ops = ops.reshape(chunks, c, 5)
-    # Seconds columns as [cost row, stage, second stage, link kind].
+    # Seconds columns as [cost row, stage, second stage, link kind], and each one's link class.
     units = np.column_stack([cost_row[first], stage[first], kind[first]]).astype(np.int32)
+    link_class = _link_classes(units, template.pipeline)
     # Each memory event's (memory row, resource slot) as one index, -1: none.
     events = template.stage_events[0]
     row = memory_row[events // 2]
     event_slot = np.where(row >= 0, 2 * row + events % 2, -1)
-    out = dict(ops=ops, units=units, event_slot=event_slot, template=template, steady=steady)
+    out = dict(ops=ops, units=units, link_class=link_class, event_slot=event_slot, template=template)
+    out["steady"] = steady
     out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     if steady is not None:
@@ -287,6 +290,42 @@ def _columns(cost_row: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.flatnonzero(is_first), (np.cumsum(is_first) - 1)[first_op]
 
 
+# A seconds column's link, per stage of the configuration (see _link_classes).
+_LINK_CLASSES = 5 * _MAX_STAGES
+
+
+def _link_classes(units: np.ndarray, pipeline: int) -> np.ndarray:
+    """``[U]`` the link class of each seconds column (``units``: cost row, stage,
+    second stage, link kind), ``class * _MAX_STAGES + stage``: the link kind
+    (0 own device, 1 tensor-parallel group, 3 data-parallel group), 2 a send to
+    the next stage, 4 to the previous one. A configuration's link and its
+    seconds per class are then one lookup (:func:`_link_tables`)."""
+    _, stage, second, kind = units.T
+    if np.any((kind < 0) | (kind > 3)):
+        raise ValueError(f"link kinds must be 0-3, got {sorted(set(kind.tolist()))}")
+    send = kind == 2
+    ahead = second == (stage + 1) % pipeline
+    if np.any(send & ~ahead & (second != (stage - 1) % pipeline)):
+        raise ValueError("sends must go to the next stage or to the previous one")
+    return np.where(send & ~ahead, 4, kind) * _MAX_STAGES + stage
+
+
+def _link_tables(rows: _Rows, hw_rows) -> tuple[np.ndarray, np.ndarray]:
+    """``(seconds per link byte, link latency)``, ``[K * _LINK_CLASSES]`` each:
+    every key's per link class (:func:`_link_classes`), as
+    :func:`~distir_jax.transforms.coarse_program.links_by_kind` picks the link
+    and :func:`~distir_jax.kernel.op_speeds` reads it (one hardware)."""
+    device, p = rows.device, rows.stages[:, None]  # [K, S], -1 past a key's stages
+    s = np.arange(_MAX_STAGES)
+    ahead = np.take_along_axis(device, (s + 1) % p, axis=1)
+    behind = np.take_along_axis(device, (s - 1) % p, axis=1)
+    pairs = [np.stack([device, device], -1), rows.tp_link, np.stack([device, ahead], -1)]
+    link = np.stack(pairs + [rows.dp_link, np.stack([device, behind], -1)], axis=1)  # [K, 5, S, 2]
+    d, table = hw_rows.num_devices, hw_rows.table[0]
+    pair = np.maximum(link[..., 0], 0) * d + np.maximum(link[..., 1], 0) + 2 * d  # op_speeds' link rows
+    return table[pair].reshape(-1), table[pair + d * d].reshape(-1)
+
+
 def _padding(count: int) -> np.ndarray:
     """``[count, 5]`` ops past a template's end (reading the zero seconds column)."""
     return padding_ops(count, _RESOURCES, _MAX_SLOTS, _SECONDS_COLUMNS - 1)
@@ -318,17 +357,16 @@ class _Kernel:
             seconds = jax.ShapeDtypeStruct((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP), np.float64)
             return jax.jit(run_grouped, donate_argnums=0).lower(state, ops, seconds).compile()
 
-    def load(self, cost: np.ndarray, hw_rows) -> None:
-        """Every key's cost tables (``_Rows.cost``) and the hardware, for the calls' durations."""
-        self.cost, self.hw_rows = cost, hw_rows
-        self.packed = _WORKER.submit(_packed_costs, cost, hw_rows)  # before any call's durations
+    def load(self, rows: _Rows, hw_rows) -> None:
+        """Every key's cost tables and links (``rows``) and the hardware, for the calls' durations."""
+        self.cost, self.hw_rows = rows.cost, hw_rows
+        self.packed = _WORKER.submit(_packed_tables, rows, hw_rows)  # before any call's durations
 
-    def __call__(self, columns, slices, before, after, periods) -> concurrent.futures.Future:
+    def __call__(self, columns: _Columns, slices, before, after, periods) -> concurrent.futures.Future:
         """Issues one call in the background (after the earlier ones): its op durations
-        from ``columns`` (``(base, units, unit group, unit column, device, tp_link,
-        dp_link)``, see :func:`_unit_seconds`), then its groups' slices of ops
-        (``slices`` yields them). The future's result is the call's ``(step
-        times, certified)`` on the host.
+        from ``columns``, then its groups' slices of ops (``slices`` yields
+        them). The future's result is the call's ``(step times, certified)`` on
+        the host.
 
         A third thread waits for the call's last steps and reads its timeline,
         so the kernel's thread goes on to the next call's durations (dispatch is
@@ -336,12 +374,14 @@ class _Kernel:
         issued = _WORKER.submit(self._issue, columns, slices)
         return _COLLECTOR.submit(self._collect, issued, before, after, periods)
 
-    def _issue(self, columns, slices):
+    def _issue(self, columns: _Columns, slices):
         advance = self.future.result()
-        base, units, unit_group, unit_column, *layout = columns
         seconds = np.zeros((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP))
-        seconds[unit_group, unit_column] = _unit_seconds(
-            self.cost, self.packed.result(), base, units, unit_group, *layout, self.hw_rows
+        packed = self.packed.result()
+        seconds[columns.unit_group, columns.unit_column] = (
+            _general_seconds(self.cost, columns, self.hw_rows)
+            if packed is None
+            else _packed_seconds(*packed, columns)
         )
         with jax.enable_x64(True):  # a `with` does not reach other threads
             state, seconds = jax.device_put((_start(), seconds))
@@ -444,6 +484,8 @@ class _Rows:
         self.free = _flat([f.reshape(-1, 2) for _, f in memory])[0]
         self.memory_rows = np.asarray([a.shape[1] for a, _ in memory])
         self.resident_bytes, self.resident_start = _flat([_widen(x, _MAX_STAGES) for x in resident])
+        # Keys whose update rows carry the same bytes (modes without the reduction's transient).
+        self.update_id = np.unique(self.update_extra, axis=0, return_inverse=True)[1].reshape(-1)
 
     def features(self, tensor: int, recompute: str):
         return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
@@ -483,6 +525,17 @@ class _Rows:
         # np.take returns C-ordered rows (fancy indexing on axis 1 would not: cumsum is 3x slower there).
         return np.take(net, event_slot, axis=1), np.take(free, event_slot, axis=1)
 
+    def bytes_key(self, ids: np.ndarray, periods: np.ndarray) -> np.ndarray:
+        """``[len(ids)]`` int64, equal for configurations whose memory events carry
+        the same bytes (:meth:`event_bytes`: one pipeline's tables, one size, the
+        same update bytes) and that run as many extra periods ``periods``."""
+        k = self.key[ids]
+        digits = (self.pipeline_of[k], self.variant[ids], self.update_id[k], np.asarray(periods, np.int64))
+        key = np.zeros(len(ids), np.int64)
+        for digit in digits:
+            key = key * (int(digit.max(initial=0)) + 1) + digit
+        return key
+
     def layout(self, ids: np.ndarray) -> dict:
         """Configurations ``ids``' stage devices and links, one row each."""
         k = self.key[ids]
@@ -511,55 +564,84 @@ def _widen(table: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def _unit_seconds(cost, packed, base, units, unit_group, device, tp_link, dp_link, hw_rows):
-    """``[U, Bg]`` seconds of ``U`` seconds columns of a call's groups, for each
-    of their rows (NumPy, in the kernel's thread: a compiled function would cost
-    more to compile than this costs to run).
+class _Columns(NamedTuple):
+    """What a call's op durations are computed from: its groups' seconds columns
+    (``U`` in all, each group's one after the other) and its ``G * Bg`` rows.
 
-    Args:
-      cost: ``[T, F]`` every key's cost tables, flat (``_Rows.cost``).
-      packed: None, or ``[T, 3]`` each cost row's compute seconds, link hops and
-        link bytes (:func:`_packed_costs`: every device computes at one speed).
+    Attributes:
       base: ``[G * Bg, 3]`` where each row's step rows and other rows start in
-        ``cost``, and its first other row (``_Rows.cost_base``).
+        the flat cost table, and its first other row (``_Rows.cost_base``).
+      key: ``[G * Bg]`` each row's key (``_Rows.key``).
       units: ``[U, 4]`` the columns: cost row, stage, second stage and link kind.
-      unit_group: ``[U]`` the group of each.
+      link_class: ``[U]`` each column's link class (:func:`_link_classes`).
+      unit_group, unit_column: ``[U]`` each column's group, and its index there.
       device, tp_link, dp_link: ``[G * Bg, _MAX_STAGES(, 2)]`` each row's stage devices and links.
-      hw_rows: the hardware's :class:`~distir_jax.kernel.HardwareRows` (one hardware).
     """
-    b = base.shape[0] // _GROUPS_PER_CALL
-    cost_row, stage, second, kind = (units[:, i, None] for i in range(4))  # [U, 1] each
-    row = unit_group[:, None] * b + np.arange(b)  # [U, Bg]
-    steps, other, split = (base[row, i] for i in range(3))
+
+    base: np.ndarray
+    key: np.ndarray
+    units: np.ndarray
+    link_class: np.ndarray
+    unit_group: np.ndarray
+    unit_column: np.ndarray
+    device: np.ndarray
+    tp_link: np.ndarray
+    dp_link: np.ndarray
+
+
+def _general_seconds(cost: np.ndarray, c: _Columns, hw_rows) -> np.ndarray:
+    """``[U, Bg]`` seconds of a call's seconds columns ``c``, for each of their
+    groups' rows, by :func:`~distir_jax.cost.op_seconds` (NumPy, in the kernel's
+    thread: a compiled function would cost more to compile than this costs to
+    run). ``cost``: ``[T, F]`` every key's cost rows (``_Rows.cost``);
+    ``hw_rows``: the hardware's :class:`~distir_jax.kernel.HardwareRows` (one hardware)."""
+    b = _ROWS_PER_GROUP
+    cost_row, stage, second, kind = (c.units[:, i, None] for i in range(4))  # [U, 1] each
+    row = c.unit_group[:, None] * b + np.arange(b)  # [U, Bg]
+    steps, other, split = (c.base[row, i] for i in range(3))
     index = np.where(cost_row < split, steps, other) + cost_row
-    sender = device[row, stage]
-    send = np.stack([sender, np.where(second >= 0, device[row, second], -1)], -1)
-    link = links_by_kind(kind, send, tp_link[row, stage], dp_link[row, stage], xp=np)
-    if packed is not None:  # op_seconds from its compute part: the same floats
-        d, table = hw_rows.num_devices, hw_rows.table[0]
-        pair = link[..., 0] * d + link[..., 1] + 2 * d  # op_speeds' link rows
-        x = packed[index]  # [U, Bg, 3]
-        return with_link_seconds(x[..., 0], x[..., 1], x[..., 2], table[pair], table[pair + d * d])
+    sender = c.device[row, stage]
+    send = np.stack([sender, np.where(second >= 0, c.device[row, second], -1)], -1)
+    link = links_by_kind(kind, send, c.tp_link[row, stage], c.dp_link[row, stage], xp=np)
     features = cost[index]  # [U, Bg, F]
     speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, np))
     speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
     return op_seconds(np, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)
 
 
-def _packed_costs(cost: np.ndarray, hw_rows) -> np.ndarray | None:
-    """``[T, 3]``: each cost row's compute seconds (:func:`~distir_jax.cost.compute_seconds`),
-    link hops and link bytes, when every device computes at one speed
-    (else None): a duration then reads three numbers instead of seven and its
-    device's speeds."""
+def _packed_seconds(packed, link_bytes, link_latency, c: _Columns) -> np.ndarray:
+    """:func:`_general_seconds` from :func:`_packed_tables` (every device computes
+    at one speed): the same floats, from a row's compute part and its key's link
+    per class, ~5 lookups per duration instead of ~15."""
+    g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
+    base = c.base.reshape(g, b, 3)
+    split = base[:, 0, 2]  # a group's rows share a template: its chunks' step rows
+    if np.any(base[:, :, 2] != split[:, None]):
+        raise ValueError("rows of one group have different numbers of step rows")
+    cost_row = c.units[:, 0]
+    # A column's rows start at their step rows or at their other rows: one row of [2G, Bg].
+    starts = base[:, :, :2].transpose(0, 2, 1).reshape(2 * g, b)
+    index = starts[2 * c.unit_group + (cost_row >= split[c.unit_group])] + cost_row[:, None]  # [U, Bg]
+    link = (c.key.reshape(g, b) * _LINK_CLASSES)[c.unit_group] + c.link_class[:, None]
+    x = packed[index]  # [U, Bg, 3]
+    return with_link_seconds(x[..., 0], x[..., 1], x[..., 2], link_bytes[link], link_latency[link])
+
+
+def _packed_tables(rows: _Rows, hw_rows) -> tuple | None:
+    """``(packed, link bytes, link latency)``, when every device computes at one
+    speed (else None): ``[T, 3]`` each cost row's compute seconds
+    (:func:`~distir_jax.cost.compute_seconds`), link hops and link bytes, and
+    :func:`_link_tables`. A duration then reads three numbers and two of its
+    key's, instead of seven and its devices' speeds."""
     d, table = hw_rows.num_devices, hw_rows.table[0]
     per_flop, per_byte = table[:d], table[d : 2 * d]
     if np.any(per_flop != per_flop[0]) or np.any(per_byte != per_byte[0]):
         return None
-    f = {name: cost[:, i] for i, name in enumerate(COST_FEATURES)}
-    packed = np.empty((len(cost), 3))
+    f = {name: rows.cost[:, i] for i, name in enumerate(COST_FEATURES)}
+    packed = np.empty((len(rows.cost), 3))
     packed[:, 0] = compute_seconds(np, f, per_flop[0], per_byte[0], np.reshape(hw_rows.launch, ()))
     packed[:, 1], packed[:, 2] = f["comm_hops"], f["comm_volume"]
-    return packed
+    return (packed, *_link_tables(rows, hw_rows))
 
 
 def _slices(ops: list[np.ndarray], pad: np.ndarray):
@@ -590,17 +672,27 @@ def _stage_peaks(arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray,
     """``[len(groups) * Bg, _MAX_STAGES]`` each configuration's peak bytes per stage
     (``ids``: the groups' rows, ``Bg`` per group): the product's rule, per template
     (consecutive groups of one template together), from event bytes gathered
-    straight from the flat tables (spare rows stay zero)."""
+    straight from the flat tables (spare rows stay zero).
+
+    Configurations whose events carry the same bytes (:meth:`_Rows.bytes_key`:
+    ~1/5 of the rows, modes that differ in resident bytes only) share one
+    rise above their resident bytes: ``resident + max(rise, 0)``, the same
+    floats as the product's ``max(resident, resident + rise)``."""
     b = _ROWS_PER_GROUP
     stage_peak = np.zeros((len(ids), _MAX_STAGES))
     runs = [i for i in range(len(arrays)) if i == 0 or arrays[i] is not arrays[i - 1]] + [len(arrays)]
     for lo, hi in zip(runs[:-1], runs[1:], strict=True):
         a = arrays[lo]
         at = np.concatenate([i * b + np.arange(len(groups[i][1])) for i in range(lo, hi)])
-        net, free = rows.event_bytes(ids[at], a["event_slot"])
-        stage_peak[at] = event_stage_peaks(
-            a["template"], net, free, rows.resident(ids[at]), a["steady"], extra_periods=periods[ids[at]]
+        members = ids[at]
+        _, first, inverse = np.unique(
+            rows.bytes_key(members, periods[members]), return_index=True, return_inverse=True
         )
+        distinct = members[first]
+        net, free = rows.event_bytes(distinct, a["event_slot"])
+        none = np.zeros((len(distinct), _MAX_STAGES))
+        rise = event_stage_peaks(a["template"], net, free, none, a["steady"], extra_periods=periods[distinct])
+        stage_peak[at] = rows.resident(members) + rise[inverse.reshape(-1)]
     return stage_peak
 
 
@@ -666,10 +758,13 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templ
             continue
         arrays += [arrays[0]] * (g - len(arrays))  # spare groups
         # Each group's seconds columns, one after the other (spare groups' stay zero).
-        units = [a["units"] for a in arrays[: len(groups)]]
-        columns = (
+        real_arrays = arrays[: len(groups)]
+        units = [a["units"] for a in real_arrays]
+        columns = _Columns(
             rows.cost_base(ids),
+            rows.key[ids],
             np.concatenate(units),
+            np.concatenate([a["link_class"] for a in real_arrays]),
             np.repeat(np.arange(len(units)), [len(u) for u in units]),
             np.concatenate([np.arange(len(u)) for u in units]),
             out["device"],
@@ -841,7 +936,7 @@ def simulate_configs(
     phases["steady templates"] = time.perf_counter() - begin
     tick = time.perf_counter()
     rows = _Rows(model, topology, configs)
-    kernel.load(rows.cost, hardware_rows(hardware, per_config_structure=True, xp=np))
+    kernel.load(rows, hardware_rows(hardware, per_config_structure=True, xp=np))
     phases["features"] = time.perf_counter() - tick
     tick = time.perf_counter()
     templates = {}

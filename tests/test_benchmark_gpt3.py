@@ -77,25 +77,40 @@ def test_every_row_is_simulated_once_whatever_the_call_shape(small_gpt, monkeypa
     assert got["calls"] > want["calls"]
 
 
-def test_durations_from_packed_costs_are_op_seconds_bit_for_bit(small_gpt, monkeypatch):
-    """Devices of one speed let a duration read a precomputed compute part: the same floats."""
+def test_durations_from_packed_tables_are_op_seconds_bit_for_bit(small_gpt, monkeypatch):
+    """Devices of one speed let a duration read a precomputed compute part and its
+    key's link per class: the same floats (sends both ways, links within and across nodes)."""
     model, topology, configs = small_gpt
     with jax.enable_x64(True):
         packed = sweep_gpt3.simulate_configs(model, topology, configs)
-        monkeypatch.setattr(sweep_gpt3, "_packed_costs", lambda cost, hw_rows: None)
+        monkeypatch.setattr(sweep_gpt3, "_packed_tables", lambda rows, hw_rows: None)
         general = sweep_gpt3.simulate_configs(model, topology, configs)
     for name in ("step_time", "peak", "status"):
         np.testing.assert_array_equal(packed[name], general[name])
 
 
-def test_packed_costs_only_for_devices_of_one_speed():
+def test_packed_tables_only_for_devices_of_one_speed(small_gpt):
     from distir_jax.kernel import hardware_rows
 
-    hardware = jax.tree_util.tree_map(
-        lambda x: np.asarray(x, np.float64), Hardware.from_topology(get_preset("dgx-a100-80gb:16"))
-    )
-    cost = np.abs(np.random.default_rng(0).normal(size=(5, 7)))
+    model, topology, configs = small_gpt
+    hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
+    rows = sweep_gpt3._Rows(model, topology, configs)
     with jax.enable_x64(True):
-        assert sweep_gpt3._packed_costs(cost, hardware_rows(hardware, True, xp=np)).shape == (5, 3)
+        packed, link_bytes, link_latency = sweep_gpt3._packed_tables(rows, hardware_rows(hardware, True, xp=np))
+        assert packed.shape == (len(rows.cost), 3)
+        assert link_bytes.shape == link_latency.shape == (len(rows.stages) * sweep_gpt3._LINK_CLASSES,)
         slower = dataclasses.replace(hardware, peak_flops=hardware.peak_flops * np.linspace(1.0, 2.0, 16))
-        assert sweep_gpt3._packed_costs(cost, hardware_rows(slower, True, xp=np)) is None
+        assert sweep_gpt3._packed_tables(rows, hardware_rows(slower, True, xp=np)) is None
+
+
+def test_link_classes_name_the_link_kind_and_a_sends_direction():
+    # Columns: cost row, stage, second stage, link kind (own, tensor, send, data).
+    units = np.asarray([[0, 1, -1, 0], [0, 1, -1, 1], [0, 1, 2, 2], [0, 1, 0, 2], [0, 3, 0, 2], [0, 2, -1, 3]])
+    s = sweep_gpt3._MAX_STAGES
+    np.testing.assert_array_equal(
+        sweep_gpt3._link_classes(units, 4), [1, s + 1, 2 * s + 1, 4 * s + 1, 2 * s + 3, 3 * s + 2]
+    )
+    with pytest.raises(ValueError, match="next stage or to the previous"):
+        sweep_gpt3._link_classes(np.asarray([[0, 0, 2, 2]]), 4)
+    with pytest.raises(ValueError, match="link kinds must be 0-3"):
+        sweep_gpt3._link_classes(np.asarray([[0, 0, -1, 5]]), 4)
