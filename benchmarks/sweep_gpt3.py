@@ -416,7 +416,6 @@ class _Rows:
     on the microbatch size are stored once for all sizes."""
 
     def __init__(self, model, topology, configs):
-        self.model, self.topology = model, topology
         sizes: dict[int, set] = {}
         for c in configs:
             sizes.setdefault(c.tensor, set()).add(c.microbatch_size)
@@ -452,8 +451,11 @@ class _Rows:
         variants: dict[tuple, list] = {}
         for (t, rc, p, v, d, zero, mode), i in keys.items():
             variants.setdefault((t, rc, p, v, d), []).append((i, zero, mode))
+        measured: dict[tuple, object] = {}  # (tensor, recompute): its features, one lookup each
         for (t, rc, p, v, d), members in variants.items():
-            features = self.features(t, rc)
+            if (t, rc) not in measured:
+                measured[t, rc] = layer_features(model, t, rc, self.sizes[t], topology)
+            features = measured[t, rc]
             layers = balanced_layers(features, p * v)
             made = mode_rows(features, layers, p, 0, [(d, zero, mode) for _, zero, mode in members])
             step = steps_of.setdefault((t, rc, made.layers), len(steps))
@@ -484,11 +486,9 @@ class _Rows:
         self.free = _flat([f.reshape(-1, 2) for _, f in memory])[0]
         self.memory_rows = np.asarray([a.shape[1] for a, _ in memory])
         self.resident_bytes, self.resident_start = _flat([_widen(x, _MAX_STAGES) for x in resident])
-        # Keys whose update rows carry the same bytes (modes without the reduction's transient).
-        self.update_id = np.unique(self.update_extra, axis=0, return_inverse=True)[1].reshape(-1)
-
-    def features(self, tensor: int, recompute: str):
-        return layer_features(self.model, tensor, recompute, self.sizes[tensor], self.topology)
+        # Keys of one pipeline whose update rows carry the same bytes: those without the
+        # reduction's transient (mode "sync" has it, and it differs with ZeRO).
+        self.update_id = np.where(np.any(self.update_extra != 0, axis=1), np.arange(len(keys)) + 1, 0)
 
     def resident(self, ids: np.ndarray) -> np.ndarray:
         """``[len(ids), _MAX_STAGES]`` configurations ``ids``' resident bytes per stage."""
