@@ -46,9 +46,9 @@ stages and no interleaving. A program has ``~4 k v p`` ops, up to ~4e5 for
 simulated as a short one (``p + 2`` microbatches for 1F1B, ``4p`` interleaved)
 whose steady period stands for the rest (:mod:`distir_jax.transforms.coarse_steady`;
 short templates are shared by every longer ``k``, and by a long pipeline of
-their own length): ~2.2e7 ops in all. Data-parallel modes whose templates
-differ only in ops that take no time share templates (:func:`_kernel_mode`):
-228 templates in all. The kernel runs in float64 here, so the period's
+their own length): ~2.2e7 ops in all. Every data-parallel mode runs one
+template per pipeline, mode "overlap_zero"'s, whose extra ops take no time in
+the others (:func:`_kernel_mode`): 118 templates in all. The kernel runs in float64 here, so the period's
 certificate (every resource's clock moves by the same amount) holds to
 ~1e-12; a row that fails it is simulated at full length. Where the time goes
 on a 2-core CPU (~1.5-1.9 s in all, see ``benchmarks/RESULTS.md``): finding
@@ -297,8 +297,9 @@ _LINK_CLASSES = 5 * _MAX_STAGES
 def _link_classes(units: np.ndarray, pipeline: int) -> np.ndarray:
     """``[U]`` the link class of each seconds column (``units``: cost row, stage,
     second stage, link kind), ``class * _MAX_STAGES + stage``: the link kind
-    (0 own device, 1 tensor-parallel group, 3 data-parallel group), 2 a send to
-    the next stage, 4 to the previous one. A configuration's link and its
+    (0 own device, or the data-parallel group's for a mode "sync" row: the
+    updates' kind, see :func:`_kernel_mode`; 1 tensor-parallel group, 3
+    data-parallel group), 2 a send to the next stage, 4 to the previous one. A configuration's link and its
     seconds per class are then one lookup (:func:`_link_tables`)."""
     _, stage, second, kind = units.T
     if np.any((kind < 0) | (kind > 3)):
@@ -319,7 +320,8 @@ def _link_tables(rows: _Rows, hw_rows) -> tuple[np.ndarray, np.ndarray]:
     s = np.arange(_MAX_STAGES)
     ahead = np.take_along_axis(device, (s + 1) % p, axis=1)
     behind = np.take_along_axis(device, (s - 1) % p, axis=1)
-    pairs = [np.stack([device, device], -1), rows.tp_link, np.stack([device, ahead], -1)]
+    own = np.where(rows.sync[:, None, None], rows.dp_link, np.stack([device, device], -1))  # kind 0: updates
+    pairs = [own, rows.tp_link, np.stack([device, ahead], -1)]
     link = np.stack(pairs + [rows.dp_link, np.stack([device, behind], -1)], axis=1)  # [K, 5, S, 2]
     d, table = hw_rows.num_devices, hw_rows.table[0]
     pair = np.maximum(link[..., 0], 0) * d + np.maximum(link[..., 1], 0) + 2 * d  # op_speeds' link rows
@@ -447,6 +449,9 @@ class _Rows:
         self.update_extra = np.zeros((len(keys), _MAX_STAGES))
         self.update_row = np.zeros(len(keys), np.intp)  # the first (ModeRows.update_rows)
         self.stages = np.zeros(len(keys), np.intp)
+        # Mode "sync" keys run mode "overlap_zero"'s template (_kernel_mode): no
+        # reductions or gathers of their own, their update on the data-parallel link.
+        self.sync = np.zeros(len(keys), bool)
         resident = [None] * len(keys)
         variants: dict[tuple, list] = {}
         for (t, rc, p, v, d, zero, mode), i in keys.items():
@@ -467,8 +472,13 @@ class _Rows:
             memory.append((made.alloc, made.free))
             self.update_extra[ids, :p] = made.update_extra
             self.update_row[ids], self.stages[ids] = made.update_rows.start, p
-            for j, i in enumerate(ids):
+            n = p * v
+            for j, (i, _, mode) in enumerate(members):
                 other[i], resident[i], data_bytes[i] = made.other[j], made.resident[j], features.data_bytes
+                if mode == "sync":  # its template's reductions and gathers cost nothing
+                    other[i] = other[i].copy()
+                    other[i][:n] = other[i][n + p :] = 0.0
+                    self.sync[i] = True
             self.split[ids], self.steps[ids] = 3 * p * v + 1, step
             self.device[ids, :p], self.tp_link[ids, :p], self.dp_link[ids, :p] = device, tp_link, dp_link
             self.last[ids] = (p * v - 1) % p
@@ -572,6 +582,8 @@ class _Columns(NamedTuple):
       base: ``[G * Bg, 3]`` where each row's step rows and other rows start in
         the flat cost table, and its first other row (``_Rows.cost_base``).
       key: ``[G * Bg]`` each row's key (``_Rows.key``).
+      sync: ``[G * Bg]`` whether each row is mode "sync" (its link kind 0 is the
+        data-parallel group's, see :func:`_kernel_mode`).
       units: ``[U, 4]`` the columns: cost row, stage, second stage and link kind.
       link_class: ``[U]`` each column's link class (:func:`_link_classes`).
       unit_group, unit_column: ``[U]`` each column's group, and its index there.
@@ -580,6 +592,7 @@ class _Columns(NamedTuple):
 
     base: np.ndarray
     key: np.ndarray
+    sync: np.ndarray
     units: np.ndarray
     link_class: np.ndarray
     unit_group: np.ndarray
@@ -602,6 +615,7 @@ def _general_seconds(cost: np.ndarray, c: _Columns, hw_rows) -> np.ndarray:
     index = np.where(cost_row < split, steps, other) + cost_row
     sender = c.device[row, stage]
     send = np.stack([sender, np.where(second >= 0, c.device[row, second], -1)], -1)
+    kind = np.where((kind == 0) & c.sync[row], 3, kind)  # a mode "sync" row's updates (_kernel_mode)
     link = links_by_kind(kind, send, c.tp_link[row, stage], c.dp_link[row, stage], xp=np)
     features = cost[index]  # [U, Bg, F]
     speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, np))
@@ -763,6 +777,7 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templ
         columns = _Columns(
             rows.cost_base(ids),
             rows.key[ids],
+            rows.sync[rows.key[ids]],
             np.concatenate(units),
             np.concatenate([a["link_class"] for a in real_arrays]),
             np.repeat(np.arange(len(units)), [len(u) for u in units]),
@@ -836,21 +851,36 @@ def _never_steady(key: tuple) -> bool:
 
 
 def _kernel_mode(mode: str) -> str:
-    """The mode of a configuration's kernel template: modes whose templates
-    differ only in ops that take no time share one.
+    """The mode of a configuration's kernel template: every data-parallel mode
+    runs mode "overlap_zero"'s, whose extra ops take no time in the others.
 
-    - Without data parallelism (mode "none") a template is mode "sync"'s but
-      for its updates' link kind (the data-parallel group's instead of the
-      device's own). Mode "none"'s update rows carry no communication (the
-      optimizer step only), so the link they are costed on changes nothing.
-    - Mode "overlap_zero"'s template is mode "overlap"'s with a gather after
-      each stage's update (on stream 1, waiting for it). Without ZeRO a
-      gather's cost row is zero: it takes no time, ends no later than its
-      update, precedes no other op on its stream, and allocates nothing.
+    Mode "overlap_zero"'s template is the core's steps and sends, a reduction
+    (stream 1) after each chunk's last backward, then per stage an update
+    (stream 0, waiting for the stage's last reduction) and a gather (stream 1,
+    waiting for the update). The other modes' templates have the same ops on
+    stream 0 in the same order, and:
 
-    Sharing means fewer templates to build and fuller groups (every row of a
-    group still gets its own seconds and memory tables)."""
-    return {"none": "sync", "overlap": "overlap_zero"}.get(mode, mode)
+    - mode "overlap" (ZeRO off): the same ops; its gathers' cost rows are zero.
+    - mode "sync": no reductions or gathers (its update all-reduces). Its rows
+      give them zero cost (``_Rows``). A zero-time reduction ends at its
+      chunk's last backward's finish, which the update's stream 0 has passed
+      already; a zero-time gather ends at its update's finish; neither is
+      read by another op, so every clock on stream 0 and every finish is the
+      same, and stream 1 never passes stream 0 (the step time is the
+      latest clock). Its update talks to the data-parallel group, where mode
+      "overlap_zero"'s update is costed on its own device: link kind 0 is
+      the updates' only, and for a mode "sync" row it means the
+      data-parallel group's link (:func:`_link_tables`, :func:`_general_seconds`).
+    - mode "none" (no data parallelism): mode "sync"'s without communication
+      (reductions and gathers of one replica cost nothing, and the update's
+      link carries no bytes).
+
+    Reductions and gathers allocate nothing (their memory row is zero in every
+    mode) and are never a stage's first memory event nor inside a steady
+    period (they wait for a finish slot), so peaks are the same too. One
+    template per pipeline (instead of one per mode) halves the templates to
+    build and fills the groups."""
+    return "overlap_zero"
 
 
 def _unreplaced(long_of: list[tuple], steady: bool) -> list[tuple]:

@@ -96,7 +96,8 @@ def test_packed_tables_only_for_devices_of_one_speed(small_gpt):
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     rows = sweep_gpt3._Rows(model, topology, configs)
     with jax.enable_x64(True):
-        packed, link_bytes, link_latency = sweep_gpt3._packed_tables(rows, hardware_rows(hardware, True, xp=np))
+        hw_rows = hardware_rows(hardware, True, xp=np)
+        packed, link_bytes, link_latency = sweep_gpt3._packed_tables(rows, hw_rows)
         assert packed.shape == (len(rows.cost), 3)
         assert link_bytes.shape == link_latency.shape == (len(rows.stages) * sweep_gpt3._LINK_CLASSES,)
         slower = dataclasses.replace(hardware, peak_flops=hardware.peak_flops * np.linspace(1.0, 2.0, 16))
@@ -105,7 +106,9 @@ def test_packed_tables_only_for_devices_of_one_speed(small_gpt):
 
 def test_link_classes_name_the_link_kind_and_a_sends_direction():
     # Columns: cost row, stage, second stage, link kind (own, tensor, send, data).
-    units = np.asarray([[0, 1, -1, 0], [0, 1, -1, 1], [0, 1, 2, 2], [0, 1, 0, 2], [0, 3, 0, 2], [0, 2, -1, 3]])
+    units = np.asarray(
+        [[0, 1, -1, 0], [0, 1, -1, 1], [0, 1, 2, 2], [0, 1, 0, 2], [0, 3, 0, 2], [0, 2, -1, 3]]
+    )
     s = sweep_gpt3._MAX_STAGES
     np.testing.assert_array_equal(
         sweep_gpt3._link_classes(units, 4), [1, s + 1, 2 * s + 1, 4 * s + 1, 2 * s + 3, 3 * s + 2]
