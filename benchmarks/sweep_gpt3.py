@@ -91,6 +91,7 @@ from distir_jax.grouped_timeline import (
     step_times,
 )
 from distir_jax.hardware import Hardware
+from distir_jax.ir._gc import older_objects_frozen
 from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, hardware_rows, op_speeds, status_codes
 from distir_jax.models import get_model_config
 from distir_jax.presets import get_preset
@@ -1036,6 +1037,10 @@ def simulate_configs(
     )
 
 
+# As the product's sweeps (search.evaluate): the ~1e5 objects alive on entry (jax's
+# among them) stay out of the full collection the sweep's allocations would trigger
+# (~30-60 ms of the GIL on a 2-core CPU).
+@older_objects_frozen()
 def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     begin = time.perf_counter()
     topology = get_preset(PRESET)
