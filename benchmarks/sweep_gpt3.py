@@ -48,9 +48,10 @@ whose steady period stands for the rest (:mod:`distir_jax.transforms.coarse_stea
 short templates are shared by every longer ``k``, and by a long pipeline of
 their own length): ~2.2e7 ops in all. Every data-parallel mode runs one
 template per pipeline, mode "overlap_zero"'s, whose extra ops take no time in
-the others (:func:`_kernel_mode`): 118 templates in all. The kernel runs in float64 here, so the period's
-certificate (every resource's clock moves by the same amount) holds to
-~1e-12; a row that fails it is simulated at full length. Where the time goes
+the others (:func:`_kernel_mode`): 118 templates in all. The kernel runs in
+float64 here, so the period's certificate (every resource's clock moves by
+the same amount) holds to ~1e-12; a row that fails it is simulated at full
+length. Where the time goes
 on a 2-core CPU (~1.5-1.9 s in all, see ``benchmarks/RESULTS.md``): finding
 the steady templates (~0.55-0.7 s, while the kernel compiles and the peaks
 threads build the long templates), measuring blocks and filling tables
@@ -214,8 +215,9 @@ def enumerate_space(model, world: int = 64, global_batch: int = GLOBAL_BATCH) ->
 def _template_arrays(template, steady=None) -> dict:
     """A template's packed ops (:func:`~distir_jax.grouped_timeline.pack_ops`) cut
     into ``[chunks, _OP_CHUNK, 5]`` slices (padded past its end), the seconds
-    columns they read (``units``: cost row, stages and link kind of each), and
-    each memory event's row and resource slot in the memory tables. With ``steady`` (a
+    columns they read (``units``: cost row, stages and link kind of each;
+    ``link_class``: :func:`_link_classes`), and each memory event's row and
+    resource slot in the memory tables. With ``steady`` (a
     :class:`~distir_jax.transforms.coarse_steady.SteadyTemplate`), also the
     period's finish slots: each resource's clock before and after it.
     """
@@ -252,8 +254,9 @@ def _template_arrays(template, steady=None) -> dict:
     events = template.stage_events[0]
     row = memory_row[events // 2]
     event_slot = np.where(row >= 0, 2 * row + events % 2, -1)
-    out = dict(ops=ops, units=units, link_class=link_class, event_slot=event_slot, template=template)
-    out["steady"] = steady
+    out = dict(
+        ops=ops, units=units, link_class=link_class, event_slot=event_slot, template=template, steady=steady
+    )
     out["period_before"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     out["period_after"] = np.full(_PERIOD_RESOURCES, -1, np.int32)
     if steady is not None:
@@ -300,8 +303,9 @@ def _link_classes(units: np.ndarray, pipeline: int) -> np.ndarray:
     second stage, link kind), ``class * _MAX_STAGES + stage``: the link kind
     (0 own device, or the data-parallel group's for a mode "sync" row: the
     updates' kind, see :func:`_kernel_mode`; 1 tensor-parallel group, 3
-    data-parallel group), 2 a send to the next stage, 4 to the previous one. A configuration's link and its
-    seconds per class are then one lookup (:func:`_link_tables`)."""
+    data-parallel group), 2 a send to the next stage, 4 to the previous one.
+    A configuration's link and its seconds per class are then one lookup
+    (:func:`_link_tables`)."""
     _, stage, second, kind = units.T
     if np.any((kind < 0) | (kind > 3)):
         raise ValueError(f"link kinds must be 0-3, got {sorted(set(kind.tolist()))}")
