@@ -923,15 +923,16 @@ def _kernel_templates(long_of: list[tuple], steady_of: dict) -> tuple[dict, list
     for key, found in steady_of.items():
         if found is not None:
             short[(key[0], found.template.microbatches) + key[2:] + (True,)] = found
-    template_of = []
-    periods = np.zeros(len(long_of))
-    for i, key in enumerate(long_of):
-        found = steady_of[key]
+    # Per long key once (a few hundred), then per configuration a lookup.
+    kernel_key, extra = {}, {}
+    for key, found in steady_of.items():
         if found is None:
-            template_of.append(key + (True,) if key + (True,) in short else key + (False,))
-            continue
-        template_of.append((key[0], found.template.microbatches) + key[2:] + (True,))
-        periods[i] = found.extra_periods
+            kernel_key[key], extra[key] = key + (key + (True,) in short,), 0
+        else:
+            kernel_key[key] = (key[0], found.template.microbatches) + key[2:] + (True,)
+            extra[key] = found.extra_periods
+    template_of = [kernel_key[key] for key in long_of]
+    periods = np.asarray([extra[key] for key in long_of], np.float64).reshape(len(long_of))
     return short, template_of, periods
 
 
@@ -1003,9 +1004,10 @@ def simulate_configs(
         phases["memory"] = time.perf_counter() - tick
         tick = time.perf_counter()
 
-    def simulate_ids(ids):
-        """Simulates configurations ``ids``; returns those whose period was not certified."""
-        calls = _groups(ids, template_of, sizes(ids))
+    def simulate_ids(ids, size_of):
+        """Simulates configurations ``ids`` (``size_of``: :func:`sizes`); returns
+        those whose period was not certified."""
+        calls = _groups(ids, template_of, size_of)
         redo = set()
         for members, stage_peak, device, real, result in _run(calls, rows, kernel, short, periods, templates):
             times, certified = (x[real] for x in result.result())
@@ -1017,15 +1019,17 @@ def simulate_configs(
             redo.update(int(i) for i in members[~certified])
         return len(calls), sorted(redo)
 
-    num_calls, redo = simulate_ids(todo)
-    simulated_ops = sum(sizes(todo).values())
+    size_of = sizes(todo)
+    num_calls, redo = simulate_ids(todo, size_of)
+    simulated_ops = sum(size_of.values())
     phases["simulate"] = time.perf_counter() - tick
     if redo:  # short runs whose period had not settled: the long templates
         tick = time.perf_counter()
         for i in redo:
             template_of[i], periods[i] = long_of[i] + (False,), 0
-        simulated_ops += sum(sizes(redo).values())
-        simulate_ids(redo)
+        size_of = sizes(redo)
+        simulated_ops += sum(size_of.values())
+        simulate_ids(redo, size_of)
         phases["uncertified, long"] = time.perf_counter() - tick
     return dict(
         step_time=step_time,
