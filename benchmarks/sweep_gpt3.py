@@ -52,12 +52,14 @@ the others (:func:`_kernel_mode`): 118 templates in all. The kernel runs in
 float64 here, so the period's certificate (every resource's clock moves by
 the same amount) holds to ~1e-12; a row that fails it is simulated at full
 length. Where the time goes
-on a 2-core CPU (~1.5-1.9 s in all, see ``benchmarks/RESULTS.md``): finding
-the steady templates (~0.55-0.7 s, while the kernel compiles and the peaks
-threads build the long templates), measuring blocks and filling tables
-(~0.3 s), then the short templates' arrays and the calls (~0.6 s, the
-kernel and peak memory overlapped). Until the first call it is Python on
-small arrays, which holds the GIL: more threads would not help there.
+on a 2-core CPU (~1.2-1.9 s in all, by the VM's phase, see
+``benchmarks/RESULTS.md``): finding the steady templates (~0.45-0.6 s, while
+the kernel compiles and the peaks threads build the long templates),
+measuring blocks and filling tables (~0.3-0.5 s), then the short templates'
+arrays and the calls (~0.45-0.7 s, the kernel, durations and peaks
+overlapped; the first call, of the longest templates, is most of the
+kernel's time). Until the first call it is Python on small arrays, which
+holds the GIL: more threads would not help there.
 """
 
 from __future__ import annotations
