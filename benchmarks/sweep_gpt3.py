@@ -48,7 +48,7 @@ whose steady period stands for the rest (:mod:`distir_jax.transforms.coarse_stea
 short templates are shared by every longer ``k``, and by a long pipeline of
 their own length): ~2.2e7 ops in all. Every data-parallel mode runs one
 template per pipeline, mode "overlap_zero"'s, whose extra ops take no time in
-the others (:func:`_kernel_mode`): 118 templates in all. The kernel runs in
+the others (``_KERNEL_MODE``): 118 templates in all. The kernel runs in
 float64 here, so the period's certificate (every resource's clock moves by
 the same amount) holds to ~1e-12; a row that fails it is simulated at full
 length. Where the time goes
@@ -99,7 +99,6 @@ from distir_jax.kernel import STATUS_OK, STATUS_OUT_OF_MEMORY, hardware_rows, op
 from distir_jax.models import get_model_config
 from distir_jax.presets import get_preset
 from distir_jax.transforms.coarse import (
-    DATA_MODES,
     balanced_layers,
     chunk_step_rows,
     data_mode,
@@ -304,7 +303,7 @@ def _link_classes(units: np.ndarray, pipeline: int) -> np.ndarray:
     """``[U]`` the link class of each seconds column (``units``: cost row, stage,
     second stage, link kind), ``class * _MAX_STAGES + stage``: the link kind
     (0 own device, or the data-parallel group's for a mode "sync" row: the
-    updates' kind, see :func:`_kernel_mode`; 1 tensor-parallel group, 3
+    updates' kind, see ``_KERNEL_MODE``; 1 tensor-parallel group, 3
     data-parallel group), 2 a send to the next stage, 4 to the previous one.
     A configuration's link and its seconds per class are then one lookup
     (:func:`_link_tables`)."""
@@ -368,7 +367,7 @@ class _Kernel:
 
     def load(self, rows: _Rows, hw_rows) -> None:
         """Every key's cost tables and links (``rows``) and the hardware, for the calls' durations."""
-        self.cost, self.hw_rows = rows.cost, hw_rows
+        self.rows, self.hw_rows = rows, hw_rows
         self.packed = _WORKER.submit(_packed_tables, rows, hw_rows)  # before any call's durations
 
     def __call__(self, columns: _Columns, slices, before, after, periods) -> concurrent.futures.Future:
@@ -388,7 +387,7 @@ class _Kernel:
         seconds = np.zeros((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP))
         packed = self.packed.result()
         seconds[columns.unit_group, columns.unit_column] = (
-            _general_seconds(self.cost, columns, self.hw_rows)
+            _general_seconds(self.rows, columns, self.hw_rows)
             if packed is None
             else _packed_seconds(*packed, columns)
         )
@@ -456,7 +455,7 @@ class _Rows:
         self.update_extra = np.zeros((len(keys), _MAX_STAGES))
         self.update_row = np.zeros(len(keys), np.intp)  # the first (ModeRows.update_rows)
         self.stages = np.zeros(len(keys), np.intp)
-        # Mode "sync" keys run mode "overlap_zero"'s template (_kernel_mode): no
+        # Mode "sync" keys run mode "overlap_zero"'s template (_KERNEL_MODE): no
         # reductions or gathers of their own, their update on the data-parallel link.
         self.sync = np.zeros(len(keys), bool)
         resident = [None] * len(keys)
@@ -553,11 +552,6 @@ class _Rows:
             key = key * (int(digit.max(initial=0)) + 1) + digit
         return key
 
-    def layout(self, ids: np.ndarray) -> dict:
-        """Configurations ``ids``' stage devices and links, one row each."""
-        k = self.key[ids]
-        return dict(device=self.device[k], tp_link=self.tp_link[k], dp_link=self.dp_link[k])
-
     def cost_base(self, ids: np.ndarray) -> np.ndarray:
         """``[len(ids), 3]`` int32: where configuration ``ids[i]``'s step rows start in
         ``self.cost``, where its other rows would start (they are there from its
@@ -588,43 +582,37 @@ class _Columns(NamedTuple):
     Attributes:
       base: ``[G * Bg, 3]`` where each row's step rows and other rows start in
         the flat cost table, and its first other row (``_Rows.cost_base``).
-      key: ``[G * Bg]`` each row's key (``_Rows.key``).
-      sync: ``[G * Bg]`` whether each row is mode "sync" (its link kind 0 is the
-        data-parallel group's, see :func:`_kernel_mode`).
+      key: ``[G * Bg]`` each row's key (``_Rows.key``): its stage devices and links.
       units: ``[U, 4]`` the columns: cost row, stage, second stage and link kind.
       link_class: ``[U]`` each column's link class (:func:`_link_classes`).
       unit_group, unit_column: ``[U]`` each column's group, and its index there.
-      device, tp_link, dp_link: ``[G * Bg, _MAX_STAGES(, 2)]`` each row's stage devices and links.
     """
 
     base: np.ndarray
     key: np.ndarray
-    sync: np.ndarray
     units: np.ndarray
     link_class: np.ndarray
     unit_group: np.ndarray
     unit_column: np.ndarray
-    device: np.ndarray
-    tp_link: np.ndarray
-    dp_link: np.ndarray
 
 
-def _general_seconds(cost: np.ndarray, c: _Columns, hw_rows) -> np.ndarray:
+def _general_seconds(rows: _Rows, c: _Columns, hw_rows) -> np.ndarray:
     """``[U, Bg]`` seconds of a call's seconds columns ``c``, for each of their
     groups' rows, by :func:`~distir_jax.cost.op_seconds` (NumPy, in the kernel's
     thread: a compiled function would cost more to compile than this costs to
-    run). ``cost``: ``[T, F]`` every key's cost rows (``_Rows.cost``);
+    run). ``rows``: every key's cost rows and stage devices and links;
     ``hw_rows``: the hardware's :class:`~distir_jax.kernel.HardwareRows` (one hardware)."""
     b = _ROWS_PER_GROUP
     cost_row, stage, second, kind = (c.units[:, i, None] for i in range(4))  # [U, 1] each
     row = c.unit_group[:, None] * b + np.arange(b)  # [U, Bg]
     steps, other, split = (c.base[row, i] for i in range(3))
     index = np.where(cost_row < split, steps, other) + cost_row
-    sender = c.device[row, stage]
-    send = np.stack([sender, np.where(second >= 0, c.device[row, second], -1)], -1)
-    kind = np.where((kind == 0) & c.sync[row], 3, kind)  # a mode "sync" row's updates (_kernel_mode)
-    link = links_by_kind(kind, send, c.tp_link[row, stage], c.dp_link[row, stage], xp=np)
-    features = cost[index]  # [U, Bg, F]
+    key = c.key[row]
+    sender = rows.device[key, stage]
+    send = np.stack([sender, np.where(second >= 0, rows.device[key, second], -1)], -1)
+    kind = np.where((kind == 0) & rows.sync[key], 3, kind)  # a mode "sync" row's updates (_KERNEL_MODE)
+    link = links_by_kind(kind, send, rows.tp_link[key, stage], rows.dp_link[key, stage], xp=np)
+    features = rows.cost[index]  # [U, Bg, F]
     speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, np))
     speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
     return op_seconds(np, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)
@@ -769,13 +757,13 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templ
             ids[i, : len(members)] = members
         ids = ids.reshape(-1)
         arrays = [templates[key] for key, _ in groups]
-        out = rows.layout(ids)
+        device = rows.device[rows.key[ids]]  # each row's stage devices (their memory capacity)
         # Peak memory needs no timeline: the peaks threads compute it.
         stage_peak = _Peaks(list(arrays), groups, rows, ids[: len(groups) * b], periods)
         # Results leave out the spare rows (they repeat a configuration).
         real = np.concatenate([i * b + np.arange(len(members)) for i, (_, members) in enumerate(groups)])
         if kernel is None:
-            issued.append((ids[real], stage_peak, out["device"][real], real, None))
+            issued.append((ids[real], stage_peak, device[real], real, None))
             continue
         arrays += [arrays[0]] * (g - len(arrays))  # spare groups
         # Each group's seconds columns, one after the other (spare groups' stay zero).
@@ -784,14 +772,10 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templ
         columns = _Columns(
             rows.cost_base(ids),
             rows.key[ids],
-            rows.sync[rows.key[ids]],
             np.concatenate(units),
             np.concatenate([a["link_class"] for a in real_arrays]),
             np.repeat(np.arange(len(units)), [len(u) for u in units]),
             np.concatenate([np.arange(len(u)) for u in units]),
-            out["device"],
-            out["tp_link"],
-            out["dp_link"],
         )
         slices = _slices([a["ops"] for a in arrays], pad)
         before, after = (
@@ -799,7 +783,7 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templ
             for name in ("period_before", "period_after")
         )
         result = kernel(columns, slices, before, after, periods[ids])
-        issued.append((ids[real], stage_peak, out["device"][real], real, result))
+        issued.append((ids[real], stage_peak, device[real], real, result))
     return issued
 
 
@@ -857,37 +841,34 @@ def _never_steady(key: tuple) -> bool:
     return not any(c + step <= k and (k - c) % step == 0 for c in _short_candidates(schedule, p))
 
 
-def _kernel_mode(mode: str) -> str:
-    """The mode of a configuration's kernel template: every data-parallel mode
-    runs mode "overlap_zero"'s, whose extra ops take no time in the others.
-
-    Mode "overlap_zero"'s template is the core's steps and sends, a reduction
-    (stream 1) after each chunk's last backward, then per stage an update
-    (stream 0, waiting for the stage's last reduction) and a gather (stream 1,
-    waiting for the update). The other modes' templates have the same ops on
-    stream 0 in the same order, and:
-
-    - mode "overlap" (ZeRO off): the same ops; its gathers' cost rows are zero.
-    - mode "sync": no reductions or gathers (its update all-reduces). Its rows
-      give them zero cost (``_Rows``). A zero-time reduction ends at its
-      chunk's last backward's finish, which the update's stream 0 has passed
-      already; a zero-time gather ends at its update's finish; neither is
-      read by another op, so every clock on stream 0 and every finish is the
-      same, and stream 1 never passes stream 0 (the step time is the
-      latest clock). Its update talks to the data-parallel group, where mode
-      "overlap_zero"'s update is costed on its own device: link kind 0 is
-      the updates' only, and for a mode "sync" row it means the
-      data-parallel group's link (:func:`_link_tables`, :func:`_general_seconds`).
-    - mode "none" (no data parallelism): mode "sync"'s without communication
-      (reductions and gathers of one replica cost nothing, and the update's
-      link carries no bytes).
-
-    Reductions and gathers allocate nothing (their memory row is zero in every
-    mode) and are never a stage's first memory event nor inside a steady
-    period (they wait for a finish slot), so peaks are the same too. One
-    template per pipeline (instead of one per mode) halves the templates to
-    build and fills the groups."""
-    return "overlap_zero"
+# Every configuration's kernel template is its pipeline's in mode "overlap_zero",
+# whatever its data-parallel mode: the extra ops take no time in the others.
+#
+# That template is the core's steps and sends, a reduction (stream 1) after each
+# chunk's last backward, then per stage an update (stream 0, waiting for the
+# stage's last reduction) and a gather (stream 1, waiting for the update). The
+# other modes' templates have the same ops on stream 0 in the same order, and:
+#
+# - mode "overlap" (ZeRO off): the same ops; its gathers' cost rows are zero.
+# - mode "sync": no reductions or gathers (its update all-reduces). Its rows give
+#   them zero cost (_Rows). A zero-time reduction ends at its chunk's last
+#   backward's finish, which the update's stream 0 has passed already; a
+#   zero-time gather ends at its update's finish; neither is read by another op,
+#   so every clock on stream 0 and every finish is the same, and stream 1 never
+#   passes stream 0 (the step time is the latest clock). Its update talks to the
+#   data-parallel group, where mode "overlap_zero"'s update is costed on its own
+#   device: link kind 0 is the updates' only, and for a mode "sync" row it means
+#   the data-parallel group's link (_link_tables, _general_seconds).
+# - mode "none" (no data parallelism): mode "sync"'s without communication
+#   (reductions and gathers of one replica cost nothing, and the update's link
+#   carries no bytes).
+#
+# Reductions and gathers allocate nothing (their memory row is zero in every
+# mode) and are never a stage's first memory event nor inside a steady period
+# (they wait for a finish slot), so peaks are the same too. One template per
+# pipeline (instead of one per mode) halves the templates to build and fills
+# the groups.
+_KERNEL_MODE = "overlap_zero"
 
 
 def _unreplaced(long_of: list[tuple], steady: bool) -> list[tuple]:
@@ -956,10 +937,7 @@ def simulate_configs(
     hardware = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), Hardware.from_topology(topology))
     kernel = _Kernel()
     # Kernel templates: (p, k, v, schedule, mode, short); a short one stands for longer k.
-    kernel_mode = {mode: _kernel_mode(mode) for mode in DATA_MODES}
-    long_of = [
-        (c.pipeline, c.microbatches, c.virtual_stages, c.schedule, kernel_mode[c.mode]) for c in configs
-    ]
+    long_of = [(c.pipeline, c.microbatches, c.virtual_stages, c.schedule, _KERNEL_MODE) for c in configs]
     # Long templates no short one will replace are built by the peaks threads (the
     # large ones by one, the small ones by the other) while this thread finds the
     # steady templates and then fills the tables. Of the host's work before the first
