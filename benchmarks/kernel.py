@@ -166,7 +166,7 @@ def measure_grouped(groups: int, rows: int, num_ops: int, slice_ops: int = 512) 
 
     grouped_state, general_state = run_grouped_calls(), run_general_calls()  # compile, and agree
     np.testing.assert_allclose(
-        np.asarray(grouped_state.clock[:, :-1]).transpose(0, 2, 1).reshape(b, resources),
+        np.asarray(grouped_state.clocks(resources)[:, :-1]).transpose(0, 2, 1).reshape(b, resources),
         np.asarray(general_state.clock).T,
         rtol=1e-6,
     )

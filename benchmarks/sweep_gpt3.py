@@ -343,8 +343,9 @@ def _end_call(state: GroupedTimeline, before, after, periods):
     """Step time of every row (a steady row's long program's, from the clocks
     around its period) and whether its period is certified; ``[G * Bg]`` each
     (on the host: a few thousand rows, not worth a compiled function)."""
-    finish = np.moveaxis(state.finish, 1, 2).reshape(-1, state.finish.shape[1])
-    step_time = step_times(state, xp=np).reshape(-1)
+    finish = state.finish_slots(_RESOURCES)
+    finish = np.moveaxis(finish, 1, 2).reshape(-1, finish.shape[1])
+    step_time = step_times(state, _RESOURCES, xp=np).reshape(-1)
     return extrapolate(finish, before, after, periods, step_time, _STEADY_RTOL)
 
 

@@ -501,6 +501,7 @@ SCHEDULE_CASES = [
     ("interleaved", 4, 8, 3),
     ("1f1b", 32, 40, 1),  # deep enough for device-by-device sweeps (estimated_times)
     ("interleaved", 32, 64, 2),
+    ("interleaved", 8, 64, 4),  # 8 devices, 512 steps each: device-by-device sweeps too
 ]
 
 

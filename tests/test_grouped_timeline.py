@@ -57,7 +57,7 @@ def _grouped(templates, seconds, chunk: int):
     state = start_grouped(g, R, S, seconds.shape[2], jnp.float32)
     for j in range(0, length, chunk):
         state = jax.jit(run_grouped)(state, packed[:, j : j + chunk], seconds)
-    return np.asarray(step_times(state)), np.asarray(state.finish[:, :S])
+    return np.asarray(step_times(state, R)), np.asarray(state.finish_slots(R)[:, :S])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -126,5 +126,6 @@ def test_pack_ops_writes_into_a_given_buffer():
     buffer = np.full((3, 5), 99, np.int32)
     pack_ops(resource, dep, out, column, R, S, out=buffer[:2])
     np.testing.assert_array_equal(buffer[:2], pack_ops(resource, dep, out, column, R, S))
-    np.testing.assert_array_equal(buffer[:2], [[0, 0, S, 0, 3], [1, 2, 0, S + 1, 1]])
+    slot = R + 1  # the finish slots' first index in the timeline
+    np.testing.assert_array_equal(buffer[:2], [[slot + S, 0, 0, slot, 3], [slot, 1, 2, slot + S + 1, 1]])
     assert np.all(buffer[2] == 99)

@@ -440,28 +440,37 @@ def _data_parallel_cached(grad_types: tuple, degree: int, zero: bool):
     gather = np.zeros((num_parts, len(COST_FEATURES)))
     if degree == 1:
         return reduce, gather
-    group = {"group": tuple(range(degree)), "axis": 0}
     volume, hops = _FEATURE_INDEX["comm_volume"], _FEATURE_INDEX["comm_hops"]
     for part, types in enumerate(grad_types):
         for grad in types:
-            if zero:
-                # ZeRO implementations flatten and pad each gradient so any
-                # degree divides it; the fine IR instead needs dim 0 divisible.
-                padded = -(-int(np.max(grad.num_elements)) // degree) * degree
-                grad = grad.with_shape((padded,))
-                rs = get_spec("ReduceScatter")
-                (shard,) = rs.infer(group, (grad,))
-                f = rs.features(group, (grad,), (shard,))
-                ag = get_spec("AllGather")
-                (whole,) = ag.infer(group, (shard,))
-                g = ag.features(group, (shard,), (whole,))
-                gather[part, volume] += float(g.comm_volume)
-                gather[part, hops] += float(g.comm_hops)
-            else:
-                f = get_spec("AllReduce").features(group, (grad,), (grad,))
-            reduce[part, volume] += float(f.comm_volume)
-            reduce[part, hops] += float(f.comm_hops)
+            (r_volume, r_hops), (g_volume, g_hops) = _gradient_collectives(grad.cache_key, grad, degree, zero)
+            reduce[part, volume] += r_volume
+            reduce[part, hops] += r_hops
+            gather[part, volume] += g_volume
+            gather[part, hops] += g_hops
     return reduce, gather
+
+
+@functools.lru_cache(maxsize=4096)
+def _gradient_collectives(key: tuple, grad, degree: int, zero: bool) -> tuple:
+    """``((volume, hops) of the reduction, (volume, hops) of the gather)`` of one
+    gradient of type ``grad`` (``key``: its ``cache_key``; a block's gradients
+    repeat a few types, a LayerNorm's scale and shift for one)."""
+    group = {"group": tuple(range(degree)), "axis": 0}
+    if not zero:
+        f = get_spec("AllReduce").features(group, (grad,), (grad,))
+        return (float(f.comm_volume), float(f.comm_hops)), (0.0, 0.0)
+    # ZeRO implementations flatten and pad each gradient so any
+    # degree divides it; the fine IR instead needs dim 0 divisible.
+    padded = -(-int(np.max(grad.num_elements)) // degree) * degree
+    grad = grad.with_shape((padded,))
+    rs = get_spec("ReduceScatter")
+    (shard,) = rs.infer(group, (grad,))
+    f = rs.features(group, (grad,), (shard,))
+    ag = get_spec("AllGather")
+    (whole,) = ag.infer(group, (shard,))
+    g = ag.features(group, (shard,), (whole,))
+    return (float(f.comm_volume), float(f.comm_hops)), (float(g.comm_volume), float(g.comm_hops))
 
 
 @functools.lru_cache(maxsize=4096)  # by identity: cheaper to look up than hashing the types
