@@ -14,10 +14,13 @@ End to end means: enumerate the space, measure one fine transformer block per
 (tensor degree, recompute policy), build one program template per structural
 key, fill every configuration's tables, then simulate in batched kernel
 calls. The kernel is :mod:`distir_jax.grouped_timeline`: a call holds 64
-groups of 16 configurations, each group one template (its configurations
+lanes of 16 configurations, each lane one template's group (its configurations
 differ in op durations only), and runs them ``_OP_CHUNK`` ops at a time,
 carrying the timeline from slice to slice, so one compiled kernel serves every
-call. Each step reads and writes a group's clocks at one index, ~10 ns per op
+call. A call ends when all but its 8 longest lanes are done; those go on in
+the next call (timeline and durations kept) while new groups fill the others
+(:func:`_lane_calls`: 96 slices instead of 131, the longest groups no longer
+hold a whole call). Each step reads and writes a group's clocks at one index, ~10 ns per op
 and configuration on a CPU (the general kernel's per-row gathers cost
 ~80-100). Op durations are computed per call, one column per distinct (cost
 row, stages, link) of a template and only for the columns the call's templates
@@ -57,8 +60,8 @@ on a 2-core CPU (~1.2-1.9 s in all, by the VM's phase, see
 the kernel compiles and the peaks threads build the long templates),
 measuring blocks and filling tables (~0.3-0.5 s), then the short templates'
 arrays and the calls (~0.45-0.7 s, the kernel, durations and peaks
-overlapped; the first call, of the longest templates, is most of the
-kernel's time). Until the first call it is Python on small arrays, which
+overlapped; the longest templates' lanes, carried from call to call, set the
+kernel's length). Until the first call it is Python on small arrays, which
 holds the GIL: more threads would not help there.
 """
 
@@ -67,6 +70,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import platform
 import threading
@@ -82,6 +86,7 @@ from typing import NamedTuple
 os.environ.setdefault("NPROC", "1")
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from distir_jax.cost import COST_FEATURES, compute_seconds, op_seconds, with_link_seconds
@@ -268,6 +273,9 @@ def _template_arrays(template, steady=None) -> dict:
     return out
 
 
+# An idle lane's period slots (none).
+_NO_PERIOD = np.full(_PERIOD_RESOURCES, -1, np.int32)
+
 # Per thread (templates are built in several): one int32 per (cost row, stage,
 # stage), a template's first op of each.
 _SCRATCH = threading.local()
@@ -357,35 +365,49 @@ class _Kernel:
 
     def __init__(self):
         self.future = _WORKER.submit(self._compile)
+        # The last call's timeline and durations (the next one may carry lanes of them).
+        self.last = self.seconds = None
 
     @staticmethod
     def _compile():
+        """``(advance, carry)``: a slice of every lane's ops, and a call's first
+        timeline from the last one's (carried lanes kept, the others at zero)."""
         with jax.enable_x64(True):  # a `with` does not reach other threads
             state = jax.eval_shape(lambda: _start())
             ops = jax.ShapeDtypeStruct((_GROUPS_PER_CALL, _OP_CHUNK, 5), np.int32)
             seconds = jax.ShapeDtypeStruct((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP), np.float64)
-            return jax.jit(run_grouped, donate_argnums=0).lower(state, ops, seconds).compile()
+            advance = jax.jit(run_grouped, donate_argnums=0).lower(state, ops, seconds).compile()
+            kept = jax.ShapeDtypeStruct((_GROUPS_PER_CALL,), bool)
+            return advance, jax.jit(_carry).lower(state, kept).compile()
 
     def load(self, rows: _Rows, hw_rows) -> None:
         """Every key's cost tables and links (``rows``) and the hardware, for the calls' durations."""
         self.rows, self.hw_rows = rows, hw_rows
         self.packed = _WORKER.submit(_packed_tables, rows, hw_rows)  # before any call's durations
 
-    def __call__(self, columns: _Columns, slices, before, after, periods) -> concurrent.futures.Future:
+    def __call__(
+        self, columns: _Columns, slices, before, after, periods, carried
+    ) -> concurrent.futures.Future:
         """Issues one call in the background (after the earlier ones): its op durations
-        from ``columns``, then its groups' slices of ops (``slices`` yields
-        them). The future's result is the call's ``(step times, certified)`` on
-        the host.
+        from ``columns``, then its lanes' slices of ops (``slices`` yields
+        them), from the last call's timeline in the lanes ``carried`` (``[G]``
+        bools) and from zero in the others. The future's result is the call's
+        ``(step times, certified)`` on the host.
 
         A third thread waits for the call's last steps and reads its timeline,
         so the kernel's thread goes on to the next call's durations (dispatch is
         asynchronous; alternating runs: ~1.80 s -> ~1.72 s mean wall)."""
-        issued = _WORKER.submit(self._issue, columns, slices)
+        issued = _WORKER.submit(self._issue, columns, slices, carried)
         return _COLLECTOR.submit(self._collect, issued, before, after, periods)
 
-    def _issue(self, columns: _Columns, slices):
-        advance = self.future.result()
+    def _issue(self, columns: _Columns, slices, carried):
+        advance, carry = self.future.result()
+        # Carried lanes keep their durations; the others' are filled below (their
+        # ops read no column but their own and the zero one, which stays zero).
         seconds = np.zeros((_GROUPS_PER_CALL, _SECONDS_COLUMNS, _ROWS_PER_GROUP))
+        if carried.any():
+            seconds[carried] = self.seconds[carried]
+        self.seconds = seconds
         packed = self.packed.result()
         seconds[columns.unit_group, columns.unit_column] = (
             _general_seconds(self.rows, columns, self.hw_rows)
@@ -393,14 +415,22 @@ class _Kernel:
             else _packed_seconds(*packed, columns)
         )
         with jax.enable_x64(True):  # a `with` does not reach other threads
-            state, seconds = jax.device_put((_start(), seconds))
+            seconds = jax.device_put(seconds)
+            # Not donated: the collecting thread reads the last timeline too.
+            state = carry(self.last, carried) if carried.any() else jax.device_put(_start())
             for ops in slices:
                 state = advance(state, jax.device_put(ops), seconds)
+            self.last = state
             return state
 
     @staticmethod
     def _collect(issued: concurrent.futures.Future, before, after, periods):
         return _end_call(jax.device_get(issued.result()), before, after, periods)
+
+
+def _carry(state: GroupedTimeline, kept: jax.Array) -> GroupedTimeline:
+    """``state`` in the lanes ``kept``, zero in the others."""
+    return GroupedTimeline(jnp.where(kept[:, None, None], state.times, 0.0))
 
 
 def _start() -> GroupedTimeline:
@@ -654,11 +684,12 @@ def _packed_tables(rows: _Rows, hw_rows) -> tuple | None:
     return (packed, *_link_tables(rows, hw_rows))
 
 
-def _slices(ops: list[np.ndarray], pad: np.ndarray):
-    """Yields a call's ``[G, _OP_CHUNK, 5]`` slices of ops from its groups' ``[chunks,
-    _OP_CHUNK, 5]`` ops (``pad`` past a group's end); it runs in the kernel's thread."""
-    for j in range(max(len(x) for x in ops)):
-        yield np.stack([x[j] if j < len(x) else pad for x in ops])
+def _slices(ops: list, pad: np.ndarray, length: int):
+    """Yields a call's ``length`` ``[G, _OP_CHUNK, 5]`` slices of ops from its lanes'
+    ``[chunks, _OP_CHUNK, 5]`` ops (``pad`` past a lane's end, and for idle lanes:
+    None); it runs in the kernel's thread."""
+    for j in range(length):
+        yield np.stack([x[j] if x is not None and j < len(x) else pad for x in ops])
 
 
 def _groups(ids, template_of, size_of) -> list[list[tuple]]:
@@ -676,6 +707,42 @@ def _groups(ids, template_of, size_of) -> list[list[tuple]]:
     ]
     groups.sort(key=lambda group: -size_of[group[1][0]])  # stable: a template's groups stay together
     return [groups[j : j + _GROUPS_PER_CALL] for j in range(0, len(groups), _GROUPS_PER_CALL)]
+
+
+class _Call(NamedTuple):
+    """One kernel call: ``lanes[j]`` is the group lane ``j`` runs and the chunk it
+    starts from (None: an idle lane), for ``length`` slices; a lane whose group
+    goes on past them carries its timeline into the next call (same lane)."""
+
+    lanes: list
+    length: int
+
+
+def _lane_calls(calls: list[list[tuple]], size_of, carry: int) -> list[_Call]:
+    """Kernel calls from :func:`_groups`' (their groups longest first): a call's
+    free lanes take the next groups, and it runs until all but its ``carry``
+    longest lanes are done; those go on in the next call while the others take
+    new groups. Without carrying, the longest programs (~49k ops: GPT-3's short
+    interleaved templates on 32 stages, three groups) keep a whole call going
+    after its other 61 lanes are done: 131 slices in all, 96 with it."""
+    groups = [group for call in calls for group in call]
+    chunks = [-(-size_of[members[0]] // _OP_CHUNK) for _, members in groups]
+    lanes, upcoming, out = [None] * _GROUPS_PER_CALL, 0, []
+    while True:
+        for j in range(len(lanes)):
+            if lanes[j] is None and upcoming < len(groups):
+                lanes[j], upcoming = (upcoming, 0), upcoming + 1
+        left = sorted((chunks[g] - first for g, first in filter(None, lanes)), reverse=True)
+        if not left:
+            return out
+        # Carrying saves the slices only while new groups can fill the lanes that are done.
+        length = left[min(carry, len(left) - 1)] if upcoming < len(groups) else left[0]
+        out.append(_Call([None if x is None else (groups[x[0]], x[1]) for x in lanes], length))
+        lanes = [None if x is None or chunks[x[0]] - x[1] <= length else (x[0], x[1] + length) for x in lanes]
+
+
+# Lanes a call may carry into the next (see _lane_calls).
+_CARRIED_LANES = 8
 
 
 def _stage_peaks(arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray, periods) -> np.ndarray:
@@ -722,20 +789,27 @@ class _Peaks:
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
         ]
 
+    @functools.cached_property
     def result(self) -> np.ndarray:
-        """``[len(groups) * Bg, _MAX_STAGES]``, as :func:`_stage_peaks`."""
+        """``[len(groups) * Bg, _MAX_STAGES]``, as :func:`_stage_peaks` (waits for them)."""
         return np.concatenate([part.result() for part in self.parts])
+
+
+def _stage_peak_rows(groups: list[tuple[_Peaks, np.ndarray]]) -> np.ndarray:
+    """The stage peaks of groups' rows, from ``(peaks, the group's rows in them)`` each."""
+    return np.concatenate([peaks.result[at] for peaks, at in groups])
 
 
 _PEAK_PARTS = 4
 _PEAKS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sweep-gpt3-peaks")
 
 
-def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templates: dict):
+def _run(calls: list[_Call], rows: _Rows, kernel: _Kernel | None, short: dict, periods, templates: dict):
     """Builds templates on first use, fills every call and issues it; returns
-    ``[(ids, stage peaks, devices, rows, result)]`` per call (``rows``: where
-    ``ids`` are among the call's rows, which the futures ``stage peaks`` and
-    ``result`` have all of; no result without a ``kernel``: peaks only).
+    ``[(ids, stage peaks, devices, rows, result)]`` per call for the groups that
+    finish in it (``rows``: where ``ids`` are among the call's rows, which the
+    future ``result`` has all of; ``stage peaks``: :func:`_stage_peak_rows`
+    reads ``ids``' from it; no result without a ``kernel``: peaks only).
 
     Calls run asynchronously, so building the next templates, slices and peaks
     on the host overlaps the kernel running the previous ones. ``short`` maps
@@ -745,46 +819,57 @@ def _run(calls, rows: _Rows, kernel: _Kernel | None, short: dict, periods, templ
     """
     pad = _padding(_OP_CHUNK)
     g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
-    issued = []
-    for groups in calls:
-        for key, _ in groups:
+    issued, started = [], {}
+    for lanes, length in calls:
+        for key, _ in (group for group, _ in filter(None, lanes)):
             if key not in templates:
                 template = short[key].template if key in short else pipeline_template(*key[:5])
                 templates[key] = _template_arrays(template, short.get(key))
-        # Rows group by group; a group's spare rows, and spare groups, repeat a configuration.
-        ids = np.full((g, b), groups[0][1][0])
-        for i, (_, members) in enumerate(groups):
-            ids[i] = members[0]
-            ids[i, : len(members)] = members
+        active = [j for j in range(g) if lanes[j] is not None]
+        # Rows lane by lane; a lane's spare rows, and idle lanes, repeat a configuration.
+        ids = np.full((g, b), lanes[active[0]][0][1][0])
+        for j in active:
+            members = lanes[j][0][1]
+            ids[j] = members[0]
+            ids[j, : len(members)] = members
         ids = ids.reshape(-1)
-        arrays = [templates[key] for key, _ in groups]
-        device = rows.device[rows.key[ids]]  # each row's stage devices (their memory capacity)
-        # Peak memory needs no timeline: the peaks threads compute it.
-        stage_peak = _Peaks(list(arrays), groups, rows, ids[: len(groups) * b], periods)
-        # Results leave out the spare rows (they repeat a configuration).
-        real = np.concatenate([i * b + np.arange(len(members)) for i, (_, members) in enumerate(groups)])
+        arrays = [None if lane is None else templates[lane[0][0]] for lane in lanes]
+        done = [j for j in active if lanes[j][1] + length >= len(arrays[j]["ops"])]
+        # Results leave out the spare rows (they repeat a configuration) and the carried lanes.
+        real = np.concatenate([j * b + np.arange(len(lanes[j][0][1])) for j in done])
+        device = rows.device[rows.key[ids[real]]]  # each row's stage devices (their memory capacity)
+        # Peak memory needs no timeline: the peaks threads compute it, for the groups that
+        # start here (a carried one's long before its last call).
+        new = [j for j in active if lanes[j][1] == 0]
+        if new:
+            new_ids = ids.reshape(g, b)[new].reshape(-1)
+            peaks = _Peaks([arrays[j] for j in new], [lanes[j][0] for j in new], rows, new_ids, periods)
+            for i, j in enumerate(new):  # a group by its first configuration
+                started[int(lanes[j][0][1][0])] = peaks, i * b + np.arange(len(lanes[j][0][1]))
+        stage_peak = [started.pop(int(lanes[j][0][1][0])) for j in done]  # (peaks, its rows) per group
         if kernel is None:
-            issued.append((ids[real], stage_peak, device[real], real, None))
+            issued.append((ids[real], stage_peak, device, None, None))
             continue
-        arrays += [arrays[0]] * (g - len(arrays))  # spare groups
-        # Each group's seconds columns, one after the other (spare groups' stay zero).
-        real_arrays = arrays[: len(groups)]
-        units = [a["units"] for a in real_arrays]
+        # The seconds columns of each lane that starts a group, one after the other
+        # (idle lanes' stay zero, carried ones keep theirs).
+        units = [arrays[j]["units"] for j in new]
         columns = _Columns(
             rows.cost_base(ids),
             rows.key[ids],
-            np.concatenate(units),
-            np.concatenate([a["link_class"] for a in real_arrays]),
-            np.repeat(np.arange(len(units)), [len(u) for u in units]),
-            np.concatenate([np.arange(len(u)) for u in units]),
+            np.concatenate(units) if new else np.zeros((0, 4), np.int32),
+            np.concatenate([arrays[j]["link_class"] for j in new]) if new else np.zeros(0, np.int32),
+            np.repeat(np.asarray(new, np.intp), [len(u) for u in units]),
+            np.concatenate([np.arange(len(u)) for u in units]) if new else np.zeros(0, np.intp),
         )
-        slices = _slices([a["ops"] for a in arrays], pad)
+        ops = [None if lane is None else arrays[j]["ops"][lane[1] :] for j, lane in enumerate(lanes)]
+        slices = _slices(ops, pad, length)
         before, after = (
-            np.repeat(np.stack([a[name] for a in arrays]), b, axis=0)
+            np.repeat(np.stack([_NO_PERIOD if a is None else a[name] for a in arrays]), b, axis=0)
             for name in ("period_before", "period_after")
         )
-        result = kernel(columns, slices, before, after, periods[ids])
-        issued.append((ids[real], stage_peak, device[real], real, result))
+        carried = np.asarray([lane is not None and lane[1] > 0 for lane in lanes])
+        result = kernel(columns, slices, before, after, periods[ids], carried)
+        issued.append((ids[real], stage_peak, device, real, result))
     return issued
 
 
@@ -975,9 +1060,9 @@ def simulate_configs(
 
     todo = list(range(len(configs)))
     if fit_only:
-        calls = _groups(todo, template_of, sizes(todo))
-        for ids, stage_peak, device, real, _ in _run(calls, rows, None, short, periods, templates):
-            stage_peak = stage_peak.result()[real]
+        calls = _lane_calls(_groups(todo, template_of, sizes(todo)), sizes(todo), carry=0)
+        for ids, stage_peak, device, _, _ in _run(calls, rows, None, short, periods, templates):
+            stage_peak = _stage_peak_rows(stage_peak)
             peak[ids] = stage_peak.max(axis=1)
             fits = np.all((stage_peak <= device_capacity[np.maximum(device, 0)]) | (device < 0), axis=1)
             status[ids[~fits]] = STATUS_OUT_OF_MEMORY
@@ -988,11 +1073,11 @@ def simulate_configs(
     def simulate_ids(ids, size_of):
         """Simulates configurations ``ids`` (``size_of``: :func:`sizes`); returns
         those whose period was not certified."""
-        calls = _groups(ids, template_of, size_of)
+        calls = _lane_calls(_groups(ids, template_of, size_of), size_of, carry=_CARRIED_LANES)
         redo = set()
         for members, stage_peak, device, real, result in _run(calls, rows, kernel, short, periods, templates):
             times, certified = (x[real] for x in result.result())
-            stage_peak = stage_peak.result()[real]
+            stage_peak = _stage_peak_rows(stage_peak)
             capacity = np.where(device >= 0, device_capacity[np.maximum(device, 0)], np.inf)
             step_time[members] = times
             status[members] = status_codes(times, stage_peak.T, capacity.T, xp=np)

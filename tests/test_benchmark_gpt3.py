@@ -77,6 +77,54 @@ def test_every_row_is_simulated_once_whatever_the_call_shape(small_gpt, monkeypa
     assert got["calls"] > want["calls"]
 
 
+@pytest.mark.parametrize("carry", [0, 1, 2])
+def test_lanes_carried_into_later_calls_change_no_result(small_gpt, monkeypatch, carry):
+    """A lane whose group outlasts its call goes on in the next one (its timeline and
+    durations kept, its peaks computed when it started): the same floats."""
+    model, topology, configs = small_gpt
+    with jax.enable_x64(True):
+        want = sweep_gpt3.simulate_configs(model, topology, configs)
+        monkeypatch.setattr(sweep_gpt3, "_GROUPS_PER_CALL", 3)
+        monkeypatch.setattr(sweep_gpt3, "_ROWS_PER_GROUP", 2)
+        monkeypatch.setattr(sweep_gpt3, "_OP_CHUNK", 64)  # groups of 1-9 chunks
+        monkeypatch.setattr(sweep_gpt3, "_CARRIED_LANES", carry)
+        carried = []
+        lane_calls = sweep_gpt3._lane_calls
+        monkeypatch.setattr(
+            sweep_gpt3,
+            "_lane_calls",
+            lambda *a, **k: carried.append(lane_calls(*a, **k)) or carried[-1],
+        )
+        got = sweep_gpt3.simulate_configs(model, topology, configs)
+    for name in ("step_time", "peak", "status"):
+        np.testing.assert_array_equal(got[name], want[name])
+    lanes = [lane for call in carried[0] for lane in call.lanes if lane is not None]
+    assert any(first > 0 for _, first in lanes) == (carry > 0)
+
+
+def test_lane_calls_run_every_chunk_of_every_group_once_in_one_lane(monkeypatch):
+    monkeypatch.setattr(sweep_gpt3, "_GROUPS_PER_CALL", 4)
+    chunks = [9, 7, 6, 5, 4, 4, 3, 2, 2, 1, 1]
+    groups = [(("key", g), np.asarray([g])) for g in range(len(chunks))]
+    size_of = {g: n * sweep_gpt3._OP_CHUNK for g, n in enumerate(chunks)}
+    calls = [groups[:4], groups[4:8], groups[8:]]  # as _groups makes them: longest first
+    total = {}
+    for carry in (0, 1, 2):
+        ran = {}  # group: (its lane, chunks run)
+        for call in sweep_gpt3._lane_calls(calls, size_of, carry):
+            for lane, entry in enumerate(call.lanes):
+                if entry is not None:
+                    (_, members), first = entry
+                    g = int(members[0])
+                    assert ran.get(g, (lane, 0)) == (lane, first)  # one lane, its chunks in order
+                    ran[g] = lane, first + call.length
+        assert sorted(ran) == list(range(len(chunks)))
+        assert all(done >= chunks[g] for g, (_, done) in ran.items())
+        total[carry] = sum(call.length for call in sweep_gpt3._lane_calls(calls, size_of, carry))
+    assert total[0] == 9 + 4 + 2  # each call as long as its longest group
+    assert total[2] < total[1] < total[0]  # the long groups no longer hold whole calls
+
+
 def test_durations_from_packed_tables_are_op_seconds_bit_for_bit(small_gpt, monkeypatch):
     """Devices of one speed let a duration read a precomputed compute part and its
     key's link per class: the same floats (sends both ways, links within and across nodes)."""
