@@ -244,11 +244,14 @@ def message_times(start, finish, producer, consumer):
     lo, hi = finish.reshape(-1)[producer], start.reshape(-1)[consumer]
     out = lo.copy()  # a message its consumer takes at once has one candidate
     wait = np.flatnonzero(hi > lo)
+    # Every time searched for below is one of these two tables' (so integers when they are).
+    exact = _integral(start) and _integral(finish)
+    starts, finishes = _RowSearch(start, exact), _RowSearch(finish, exact)
     # At ``lo`` the sender is free (its producer just finished); if the receiver
     # is free too, ``lo`` is optimal: both keys 0 and ``lo``, the least of all.
-    wait = wait[_free_at(start, finish, consumer[wait] // m, lo[wait]) > lo[wait]]
+    wait = wait[_free_at(starts, finish, consumer[wait] // m, lo[wait]) > lo[wait]]
     if wait.size:
-        out[wait] = _barrier_times(start, finish, producer[wait], consumer[wait], lo[wait], hi[wait])
+        out[wait] = _barrier_times(starts, finishes, producer[wait], consumer[wait], lo[wait], hi[wait])
     return out
 
 
@@ -275,7 +278,8 @@ def issue_order(start, finish, producer, consumer) -> np.ndarray:
     return np.lexsort((tie, tier, time))
 
 
-def _barrier_times(start, finish, producer, consumer, lo, hi):
+def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer, lo, hi):
+    start, finish = starts.table, finishes.table
     m = start.shape[1]
     a, i_a = np.divmod(producer, m)
     b, i_b = np.divmod(consumer, m)
@@ -283,10 +287,10 @@ def _barrier_times(start, finish, producer, consumer, lo, hi):
     # Steps of the sender after its producer start at >= lo, and steps of the
     # receiver before its consumer end at <= hi, so only the far ends need a search.
     ranges = [
-        (a, start, i_a + 1, row_searchsorted(start, a, hi, "right", order_a)),
-        (a, finish, i_a, row_searchsorted(finish, a, hi, "right", order_a)),
-        (b, start, row_searchsorted(start, b, lo, "left", order_b), i_b + 1),
-        (b, finish, row_searchsorted(finish, b, lo, "left", order_b), i_b),
+        (a, start, i_a + 1, starts(a, hi, "right", order_a)),
+        (a, finish, i_a, finishes(a, hi, "right", order_a)),
+        (b, start, starts(b, lo, "left", order_b), i_b + 1),
+        (b, finish, finishes(b, lo, "left", order_b), i_b),
     ]
     # A candidate that is one device's own step boundary finds that device free
     # (it is not inside a step), so only the other device needs a search.
@@ -303,46 +307,54 @@ def _barrier_times(start, finish, producer, consumer, lo, hi):
     by_owner = np.argsort(owner, kind="stable")
     owner, tau, is_b = owner[by_owner], np.concatenate(taus)[by_owner], is_b[by_owner]
     other = np.where(is_b, a[owner], b[owner])
-    free_other = _free_at(start, finish, other, tau)
+    free_other = _free_at(starts, finish, other, tau)
     fa = np.where(is_b, free_other, tau)
     fb = np.where(is_b, tau, free_other)
-    starts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))
+    firsts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))  # each message's candidates
     # Lexicographic minimum per message, one key at a time.
     best = np.ones(len(tau), bool)
     for key in (np.abs(fa - fb), np.maximum(fa, fb), tau):
         key = np.where(best, key, np.inf)
-        best &= key == np.repeat(np.minimum.reduceat(key, starts), np.diff(np.append(starts, len(key))))
-    return np.minimum.reduceat(np.where(best, tau, np.inf), starts)
+        best &= key == np.repeat(np.minimum.reduceat(key, firsts), np.diff(np.append(firsts, len(key))))
+    return np.minimum.reduceat(np.where(best, tau, np.inf), firsts)
 
 
-def row_searchsorted(table, row, values, side: str, order=None):
-    """``np.searchsorted(table[row[i]], values[i], side)`` for every ``i``.
+class _RowSearch:
+    """``np.searchsorted(table[row[i]], values[i], side)`` for every ``i``, over the
+    rows of one ``[p, M]`` table (each row ascending, times >= 0), made once per
+    table: message placement searches each of its two tables several times.
 
-    With integer times (unit step costs), one search over all rows at once,
-    each row offset by a power of two above its largest time (exact in
-    float64); otherwise one search per row. ``order`` may pass
-    ``np.argsort(row, kind="stable")`` when it is already known.
-    """
-    top = float(table[:, -1].max()) if table.size else 0.0
-    offset = 2.0 ** np.ceil(np.log2(top + 2.0))
-    if offset * table.shape[0] < 2.0**52 and _integral(table) and _integral(values):
-        keys = (table + offset * np.arange(table.shape[0])[:, None]).reshape(-1)
-        found = np.searchsorted(keys, values + offset * row, side=side)
-        return found - row * table.shape[1]
-    out = np.empty(len(values), np.int64)
-    order = np.argsort(row, kind="stable") if order is None else order
-    bounds = np.searchsorted(row[order], np.arange(table.shape[0] + 1))
-    for r in range(table.shape[0]):
-        idx = order[bounds[r] : bounds[r + 1]]
-        if idx.size:
-            out[idx] = np.searchsorted(table[r], values[idx], side=side)
-    return out
+    With integer times (``exact``: the table and every value searched, unit step
+    costs), one search over all rows at once, each row offset by a power of two
+    above its largest time (exact in float64); otherwise one search per row."""
+
+    def __init__(self, table: np.ndarray, exact: bool):
+        self.table = table
+        top = float(table[:, -1].max()) if table.size else 0.0
+        self.offset = 2.0 ** np.ceil(np.log2(top + 2.0))
+        self.keys = None
+        if exact and self.offset * table.shape[0] < 2.0**52:
+            self.keys = (table + self.offset * np.arange(table.shape[0])[:, None]).reshape(-1)
+
+    def __call__(self, row, values, side: str, order=None):
+        """``order`` may pass ``np.argsort(row, kind="stable")`` when it is already known."""
+        table = self.table
+        if self.keys is not None:
+            return np.searchsorted(self.keys, values + self.offset * row, side=side) - row * table.shape[1]
+        out = np.empty(len(values), np.int64)
+        order = np.argsort(row, kind="stable") if order is None else order
+        bounds = np.searchsorted(row[order], np.arange(table.shape[0] + 1))
+        for r in range(table.shape[0]):
+            idx = order[bounds[r] : bounds[r + 1]]
+            if idx.size:
+                out[idx] = np.searchsorted(table[r], values[idx], side=side)
+        return out
 
 
-def _free_at(start, finish, device, tau):
+def _free_at(starts: _RowSearch, finish, device, tau):
     """When ``device`` can join a barrier at ``tau``: the end of the step it runs then, or ``tau``."""
-    m = start.shape[1]
-    index = row_searchsorted(start, device, tau, "left") - 1
+    m = finish.shape[1]
+    index = starts(device, tau, "left") - 1
     end = finish.reshape(-1)[device * m + np.maximum(index, 0)]
     return np.where((index >= 0) & (end > tau), end, tau)
 
