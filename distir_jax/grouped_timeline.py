@@ -23,7 +23,7 @@ resource's clock, then the finish slots. Ops come packed, ``[..., 5]`` int32
 per op (:func:`pack_ops`), as indices into it: the dependency's slot, the two
 resources, the output slot, then a column of the group's seconds table; so a
 step is one gather of three values per row, one gather of its duration and
-one scatter of three (separate clock and slot arrays took ~15% longer per
+one scatter of three (separate clock and slot arrays took ~15-20% longer per
 step on a 2-core CPU: two more gathers and a scatter, see
 ``benchmarks/RESULTS.md``). Index conventions (so a step never branches): a
 missing second resource repeats the first; a missing dependency reads slot
