@@ -20,9 +20,9 @@ carrying the timeline from slice to slice, so one compiled kernel serves every
 call. A call ends when all but its 8 longest lanes are done; those go on in
 the next call (timeline and durations kept) while new groups fill the others
 (:func:`_lane_calls`: 96 slices instead of 131, the longest groups no longer
-hold a whole call). Each step reads and writes a group's clocks at one index, ~10 ns per op
-and configuration on a CPU (the general kernel's per-row gathers cost
-~80-100). Op durations are computed per call, one column per distinct (cost
+hold a whole call). Each step reads and writes a group's timeline at one
+index, ~10 ns per op and configuration on a CPU (the general kernel's per-row
+gathers cost ~80-100). Op durations are computed per call, one column per distinct (cost
 row, stages, link) of a template and only for the columns the call's templates
 use (~1/6 of its table), from one flat table of every key's cost rows (the
 chunks' step rows stored once per (features, layers), shared by every
@@ -692,11 +692,10 @@ def _slices(ops: list, pad: np.ndarray, length: int):
         yield np.stack([x[j] if x is not None and j < len(x) else pad for x in ops])
 
 
-def _groups(ids, template_of, size_of) -> list[list[tuple]]:
-    """Kernel calls, each a list of ``(template, configuration ids)`` groups: a
-    template's configurations in groups of at most ``_ROWS_PER_GROUP``, groups
-    longest programs first, so a call's groups have similar lengths (little
-    padded work), at most ``_GROUPS_PER_CALL`` per call."""
+def _groups(ids, template_of, size_of) -> list[tuple]:
+    """``(template, configuration ids)`` groups: a template's configurations in
+    groups of at most ``_ROWS_PER_GROUP``, longest programs first, so the
+    groups a call takes together have similar lengths (little padded work)."""
     members: dict = {}
     for i in sorted(ids):
         members.setdefault(template_of[i], []).append(i)
@@ -706,7 +705,7 @@ def _groups(ids, template_of, size_of) -> list[list[tuple]]:
         for j in range(0, len(m), _ROWS_PER_GROUP)
     ]
     groups.sort(key=lambda group: -size_of[group[1][0]])  # stable: a template's groups stay together
-    return [groups[j : j + _GROUPS_PER_CALL] for j in range(0, len(groups), _GROUPS_PER_CALL)]
+    return groups
 
 
 class _Call(NamedTuple):
@@ -718,14 +717,14 @@ class _Call(NamedTuple):
     length: int
 
 
-def _lane_calls(calls: list[list[tuple]], size_of, carry: int) -> list[_Call]:
-    """Kernel calls from :func:`_groups`' (their groups longest first): a call's
-    free lanes take the next groups, and it runs until all but its ``carry``
-    longest lanes are done; those go on in the next call while the others take
-    new groups. Without carrying, the longest programs (~49k ops: GPT-3's short
-    interleaved templates on 32 stages, three groups) keep a whole call going
-    after its other 61 lanes are done: 131 slices in all, 96 with it."""
-    groups = [group for call in calls for group in call]
+def _lane_calls(groups: list[tuple], size_of, carry: int) -> list[_Call]:
+    """Kernel calls of :func:`_groups`' groups (longest first): a call's free
+    lanes take the next groups, and it runs until all but its ``carry`` longest
+    lanes are done; those go on in the next call while the others take new
+    groups (``carry=0``: each call runs its groups to their ends). Without
+    carrying, the longest programs (~49k ops: GPT-3's short interleaved
+    templates on 32 stages, three groups) keep a whole call going after its
+    other 61 lanes are done: 131 slices in all, 96 with it."""
     chunks = [-(-size_of[members[0]] // _OP_CHUNK) for _, members in groups]
     lanes, upcoming, out = [None] * _GROUPS_PER_CALL, 0, []
     while True:
@@ -1060,7 +1059,8 @@ def simulate_configs(
 
     todo = list(range(len(configs)))
     if fit_only:
-        calls = _lane_calls(_groups(todo, template_of, sizes(todo)), sizes(todo), carry=0)
+        size_of = sizes(todo)
+        calls = _lane_calls(_groups(todo, template_of, size_of), size_of, carry=0)
         for ids, stage_peak, device, _, _ in _run(calls, rows, None, short, periods, templates):
             stage_peak = _stage_peak_rows(stage_peak)
             peak[ids] = stage_peak.max(axis=1)

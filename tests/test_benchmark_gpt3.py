@@ -105,13 +105,12 @@ def test_lanes_carried_into_later_calls_change_no_result(small_gpt, monkeypatch,
 def test_lane_calls_run_every_chunk_of_every_group_once_in_one_lane(monkeypatch):
     monkeypatch.setattr(sweep_gpt3, "_GROUPS_PER_CALL", 4)
     chunks = [9, 7, 6, 5, 4, 4, 3, 2, 2, 1, 1]
-    groups = [(("key", g), np.asarray([g])) for g in range(len(chunks))]
+    groups = [(("key", g), np.asarray([g])) for g in range(len(chunks))]  # as _groups: longest first
     size_of = {g: n * sweep_gpt3._OP_CHUNK for g, n in enumerate(chunks)}
-    calls = [groups[:4], groups[4:8], groups[8:]]  # as _groups makes them: longest first
     total = {}
     for carry in (0, 1, 2):
         ran = {}  # group: (its lane, chunks run)
-        for call in sweep_gpt3._lane_calls(calls, size_of, carry):
+        for call in sweep_gpt3._lane_calls(groups, size_of, carry):
             for lane, entry in enumerate(call.lanes):
                 if entry is not None:
                     (_, members), first = entry
@@ -120,7 +119,7 @@ def test_lane_calls_run_every_chunk_of_every_group_once_in_one_lane(monkeypatch)
                     ran[g] = lane, first + call.length
         assert sorted(ran) == list(range(len(chunks)))
         assert all(done >= chunks[g] for g, (_, done) in ran.items())
-        total[carry] = sum(call.length for call in sweep_gpt3._lane_calls(calls, size_of, carry))
+        total[carry] = sum(call.length for call in sweep_gpt3._lane_calls(groups, size_of, carry))
     assert total[0] == 9 + 4 + 2  # each call as long as its longest group
     assert total[2] < total[1] < total[0]  # the long groups no longer hold whole calls
 

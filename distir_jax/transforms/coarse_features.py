@@ -454,8 +454,9 @@ def _data_parallel_cached(grad_types: tuple, degree: int, zero: bool):
 @functools.lru_cache(maxsize=4096)
 def _gradient_collectives(key: tuple, grad, degree: int, zero: bool) -> tuple:
     """``((volume, hops) of the reduction, (volume, hops) of the gather)`` of one
-    gradient of type ``grad`` (``key``: its ``cache_key``; a block's gradients
-    repeat a few types, a LayerNorm's scale and shift for one)."""
+    gradient of type ``grad``, cached: a block's gradients repeat a few types (a
+    LayerNorm's scale and shift, for one). ``key`` is its ``cache_key``, which
+    the cache hashes well (a type's own hash tells dtype, device and rank only)."""
     group = {"group": tuple(range(degree)), "axis": 0}
     if not zero:
         f = get_spec("AllReduce").features(group, (grad,), (grad,))
