@@ -708,10 +708,26 @@ def _groups(ids, template_of, size_of) -> list[tuple]:
     return groups
 
 
+class _Lane(NamedTuple):
+    """The group a lane runs in a call (``(template, configuration ids)``, as
+    :func:`_groups` makes them) and the chunk of its ops it starts from."""
+
+    group: tuple
+    first: int
+
+    @property
+    def key(self) -> tuple:
+        return self.group[0]
+
+    @property
+    def members(self) -> np.ndarray:
+        return self.group[1]
+
+
 class _Call(NamedTuple):
-    """One kernel call: ``lanes[j]`` is the group lane ``j`` runs and the chunk it
-    starts from (None: an idle lane), for ``length`` slices; a lane whose group
-    goes on past them carries its timeline into the next call (same lane)."""
+    """One kernel call: ``lanes[j]`` is the :class:`_Lane` lane ``j`` runs (None:
+    idle), for ``length`` slices; a lane whose group goes on past them carries
+    its timeline into the next call (same lane)."""
 
     lanes: list
     length: int
@@ -736,7 +752,7 @@ def _lane_calls(groups: list[tuple], size_of, carry: int) -> list[_Call]:
             return out
         # Carrying saves the slices only while new groups can fill the lanes that are done.
         length = left[min(carry, len(left) - 1)] if upcoming < len(groups) else left[0]
-        out.append(_Call([None if x is None else (groups[x[0]], x[1]) for x in lanes], length))
+        out.append(_Call([None if x is None else _Lane(groups[x[0]], x[1]) for x in lanes], length))
         lanes = [None if x is None or chunks[x[0]] - x[1] <= length else (x[0], x[1] + length) for x in lanes]
 
 
@@ -820,32 +836,32 @@ def _run(calls: list[_Call], rows: _Rows, kernel: _Kernel | None, short: dict, p
     g, b = _GROUPS_PER_CALL, _ROWS_PER_GROUP
     issued, started = [], {}
     for lanes, length in calls:
-        for key, _ in (group for group, _ in filter(None, lanes)):
+        for key in dict.fromkeys(lane.key for lane in filter(None, lanes)):
             if key not in templates:
                 template = short[key].template if key in short else pipeline_template(*key[:5])
                 templates[key] = _template_arrays(template, short.get(key))
         active = [j for j in range(g) if lanes[j] is not None]
         # Rows lane by lane; a lane's spare rows, and idle lanes, repeat a configuration.
-        ids = np.full((g, b), lanes[active[0]][0][1][0])
+        ids = np.full((g, b), lanes[active[0]].members[0])
         for j in active:
-            members = lanes[j][0][1]
+            members = lanes[j].members
             ids[j] = members[0]
             ids[j, : len(members)] = members
         ids = ids.reshape(-1)
-        arrays = [None if lane is None else templates[lane[0][0]] for lane in lanes]
-        done = [j for j in active if lanes[j][1] + length >= len(arrays[j]["ops"])]
+        arrays = [None if lane is None else templates[lane.key] for lane in lanes]
+        done = [j for j in active if lanes[j].first + length >= len(arrays[j]["ops"])]
         # Results leave out the spare rows (they repeat a configuration) and the carried lanes.
-        real = np.concatenate([j * b + np.arange(len(lanes[j][0][1])) for j in done])
+        real = np.concatenate([j * b + np.arange(len(lanes[j].members)) for j in done])
         device = rows.device[rows.key[ids[real]]]  # each row's stage devices (their memory capacity)
         # Peak memory needs no timeline: the peaks threads compute it, for the groups that
         # start here (a carried one's long before its last call).
-        new = [j for j in active if lanes[j][1] == 0]
+        new = [j for j in active if lanes[j].first == 0]
         if new:
             new_ids = ids.reshape(g, b)[new].reshape(-1)
-            peaks = _Peaks([arrays[j] for j in new], [lanes[j][0] for j in new], rows, new_ids, periods)
+            peaks = _Peaks([arrays[j] for j in new], [lanes[j].group for j in new], rows, new_ids, periods)
             for i, j in enumerate(new):  # a group by its first configuration
-                started[int(lanes[j][0][1][0])] = peaks, i * b + np.arange(len(lanes[j][0][1]))
-        stage_peak = [started.pop(int(lanes[j][0][1][0])) for j in done]  # (peaks, its rows) per group
+                started[int(lanes[j].members[0])] = peaks, i * b + np.arange(len(lanes[j].members))
+        stage_peak = [started.pop(int(lanes[j].members[0])) for j in done]  # (peaks, its rows) per group
         if kernel is None:
             issued.append((ids[real], stage_peak, device, None, None))
             continue
@@ -860,13 +876,13 @@ def _run(calls: list[_Call], rows: _Rows, kernel: _Kernel | None, short: dict, p
             np.repeat(np.asarray(new, np.intp), [len(u) for u in units]),
             np.concatenate([np.arange(len(u)) for u in units]) if new else np.zeros(0, np.intp),
         )
-        ops = [None if lane is None else arrays[j]["ops"][lane[1] :] for j, lane in enumerate(lanes)]
+        ops = [None if lane is None else arrays[j]["ops"][lane.first :] for j, lane in enumerate(lanes)]
         slices = _slices(ops, pad, length)
         before, after = (
             np.repeat(np.stack([_NO_PERIOD if a is None else a[name] for a in arrays]), b, axis=0)
             for name in ("period_before", "period_after")
         )
-        carried = np.asarray([lane is not None and lane[1] > 0 for lane in lanes])
+        carried = np.asarray([lane is not None and lane.first > 0 for lane in lanes])
         result = kernel(columns, slices, before, after, periods[ids], carried)
         issued.append((ids[real], stage_peak, device, real, result))
     return issued
