@@ -255,3 +255,42 @@ def test_steady_templates_with_step_costs_are_checked_against_the_long_one():
     assert coarse_steady._repeats_into(steady, pipeline_template(p, k, v, "interleaved", "none", costs))
     other = pipeline_template(p, k, v, "interleaved", "none")  # unit costs: another order
     assert not coarse_steady._repeats_into(steady, other)
+
+
+@pytest.mark.parametrize("schedule, p, v, k", [("1f1b", 4, 1, 40), ("interleaved", 2, 2, 40)])
+def test_the_repeat_check_sees_a_change_in_any_part_of_the_long_template(schedule, p, v, k):
+    """``_repeats_into`` compares the prefix, every copy of the period and the rest
+    separately: a changed op in any of them, or one copy too many, fails it."""
+    steady = steady_template(p, k, v, schedule, "overlap_zero")
+    assert steady is not None and steady.extra_periods >= 2
+    long = pipeline_template(p, k, v, schedule, "overlap_zero")
+    assert coarse_steady._repeats_into(steady, long)
+    begin, end = steady.period
+    length = end - begin
+    last_copy = end + (steady.extra_periods - 1) * length
+    for where in (begin // 2, end + length // 2, last_copy + length // 2, long.num_ops - 1):
+        stage = long.stage.copy()
+        stage[where, 0] = (stage[where, 0] + 1) % p  # the op on another stage
+        assert not coarse_steady._repeats_into(steady, dataclasses.replace(long, stage=stage)), where
+    fewer = dataclasses.replace(steady, extra_periods=steady.extra_periods - 1)
+    assert not coarse_steady._repeats_into(fewer, long)
+
+
+def test_step_costs_that_round_to_the_same_integers_share_a_short_template():
+    """Short templates are cached by the integers steps are ordered by
+    (``order_costs``), so flops estimates that differ only past them (other
+    microbatch sizes of one model) share one; costs that are no step costs
+    fail as ``pipeline_template`` says."""
+    costs = np.array([[1.0e13, 2.0e13], [1.2e13, 2.4e13], [1.0e13, 2.0e13], [1.4e13, 2.8e13]])
+    nudged = costs * (1 + 1e-12) + 1.0
+    np.testing.assert_array_equal(order_costs(costs), order_costs(nudged))
+    p, k, v = 2, 64, 2
+    a = steady_template(p, k, v, "interleaved", "none", step_costs=costs)
+    b = steady_template(p, k, v, "interleaved", "none", step_costs=nudged)
+    assert a is not None and a.template is b.template
+    assert coarse_steady._repeats_into(b, pipeline_template(p, k, v, "interleaved", "none", nudged))
+    for bad in (costs[:3], -costs):
+        with pytest.raises(ValueError, match="step_costs must be"):
+            steady_template(p, k, v, "interleaved", "none", step_costs=bad)
+        with pytest.raises(ValueError, match="step_costs must be"):
+            pipeline_template(p, k, v, "interleaved", "none", bad)
