@@ -292,31 +292,60 @@ def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer,
         (b, start, starts(b, lo, "left", order_b), i_b + 1),
         (b, finish, finishes(b, lo, "left", order_b), i_b),
     ]
-    # A candidate that is one device's own step boundary finds that device free
-    # (it is not inside a step), so only the other device needs a search.
-    owners, taus, own = [np.arange(len(lo)), np.arange(len(lo))], [lo, hi], [0, 1]
+    # Candidates in groups: ``lo`` (the sender's own boundary), ``hi`` (the
+    # receiver's), then each range's step boundaries, a message's together. A
+    # candidate that is one device's own step boundary finds that device free
+    # (it is not inside a step), so only the other device needs a search. The
+    # lexicographic minimum over all candidates is the minimum over each
+    # group's minimum, so groups are reduced one by one, with no sort.
+    everyone = np.arange(len(lo))
+    best = _best_candidates(starts, finish, b, lo, receiver=False, owner=everyone, firsts=everyone)
+    groups = [(a, hi, True, everyone, everyone)]
     for side, (device, table, first, last) in enumerate(ranges):
         count = np.maximum(last - first, 0)
-        owner = np.repeat(np.arange(len(lo)), count)
+        owner = np.repeat(everyone, count)
         offset = np.arange(owner.shape[0]) - np.repeat(np.cumsum(count) - count, count)
-        owners.append(owner)
-        taus.append(table.reshape(-1)[device[owner] * m + first[owner] + offset])
-        own.append(0 if side < 2 else 1)
-    owner = np.concatenate(owners)
-    is_b = np.concatenate([np.full(len(o), w, bool) for o, w in zip(owners, own, strict=True)])
-    by_owner = np.argsort(owner, kind="stable")
-    owner, tau, is_b = owner[by_owner], np.concatenate(taus)[by_owner], is_b[by_owner]
-    other = np.where(is_b, a[owner], b[owner])
+        tau = table.reshape(-1)[device[owner] * m + first[owner] + offset]
+        firsts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]])) if len(owner) else owner
+        groups.append((b if side < 2 else a, tau, side >= 2, owner, firsts))
+    for other, tau, receiver, owner, firsts in groups:
+        keys = _best_candidates(starts, finish, other[owner], tau, receiver, owner, firsts)
+        has = owner[firsts]  # the messages with candidates in this group
+        ahead = _lexicographically_less(keys, tuple(k[has] for k in best))
+        for k, new in zip(best, keys, strict=True):
+            k[has[ahead]] = new[ahead]
+    return best[2]
+
+
+def _best_candidates(starts: _RowSearch, finish, other, tau, receiver: bool, owner, firsts) -> tuple:
+    """Per message (``firsts``: where each one's candidates begin among ``tau``,
+    which ``owner`` groups), its best candidate's keys ``(|fa - fb|, max(fa, fb), tau)``,
+    lexicographically least. ``tau`` are boundaries of the receiver's steps
+    (``receiver``) or of the sender's; ``other`` is the other device of each."""
     free_other = _free_at(starts, finish, other, tau)
-    fa = np.where(is_b, free_other, tau)
-    fb = np.where(is_b, tau, free_other)
-    firsts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))  # each message's candidates
-    # Lexicographic minimum per message, one key at a time.
+    fa, fb = (free_other, tau) if receiver else (tau, free_other)
+    keys = (np.abs(fa - fb), np.maximum(fa, fb), tau)
+    if len(firsts) == len(tau):  # one candidate per message
+        return tuple(np.array(k, np.float64) for k in keys)
+    sizes = np.diff(np.append(firsts, len(tau)))
     best = np.ones(len(tau), bool)
-    for key in (np.abs(fa - fb), np.maximum(fa, fb), tau):
+    out = []
+    for key in keys:
         key = np.where(best, key, np.inf)
-        best &= key == np.repeat(np.minimum.reduceat(key, firsts), np.diff(np.append(firsts, len(key))))
-    return np.minimum.reduceat(np.where(best, tau, np.inf), firsts)
+        least = np.minimum.reduceat(key, firsts)
+        best &= key == np.repeat(least, sizes)
+        out.append(least)
+    return tuple(out)
+
+
+def _lexicographically_less(x: tuple, y: tuple) -> np.ndarray:
+    """Elementwise: whether key tuple ``x`` comes before ``y``."""
+    less = np.zeros(len(x[0]), bool)
+    equal = np.ones(len(x[0]), bool)
+    for u, v in zip(x, y, strict=True):
+        less |= equal & (u < v)
+        equal &= u == v
+    return less
 
 
 class _RowSearch:
