@@ -8,7 +8,12 @@ recomputation none / attention / full, ZeRO on / off and gradient overlap on /
 off (the last two only with data parallelism, where they mean something).
 Every configuration is a full 1F1B (or interleaved 1F1B) timeline of a coarse
 pipeline program (:mod:`distir_jax.transforms.coarse`), simulated by the
-batched kernel.
+batched kernel. Its steps and messages are issued in the fast order (unit
+step costs: a forward 1, a backward 2), so one template serves every
+microbatch size and recompute policy; the product (``--product``) follows the
+pipeline transform's flops-based order, one template per configuration. The
+two agree within 2% for 1F1B and differ by up to -23%/+37% for interleaved
+schedules (``benchmarks/RESULTS.md``, thirteenth session).
 
 End to end means: enumerate the space, measure one fine transformer block per
 (tensor degree, recompute policy), build one program template per structural
