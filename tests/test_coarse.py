@@ -25,6 +25,7 @@ from distir_jax.kernel import simulate
 from distir_jax.lower import lower, peak_memory
 from distir_jax.models import TransformerConfig, build_training_step
 from distir_jax.presets import get_preset
+from distir_jax.transforms import coarse_program
 from distir_jax.transforms.base import as_distributed
 from distir_jax.transforms.coarse import (
     DATA_MODES,
@@ -637,6 +638,31 @@ def test_balanced_layers_minimize_what_the_pipeline_transform_minimizes():
 
         assert layers.sum() == blocks and layers.min() >= 1
         np.testing.assert_allclose(_objective(layers, embed, head), _objective(reference, embed, head))
+
+
+def test_transform_cuts_are_shared_by_costs_a_power_of_two_apart():
+    """The pipeline transform's partition is the same for costs scaled by a power of
+    two (every sum, square and comparison scales exactly), so the coarse cut is
+    cached by the scaled costs: microbatch sizes twice as large share it."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        blocks = int(rng.integers(2, 40))
+        chunks = int(rng.integers(1, blocks + 1))
+        costs = list(rng.uniform(0.0, 10.0, blocks + 2) * rng.choice([1.0, 1e6, 1e12]))
+        scaled = coarse_program._power_of_two_scaled(tuple(costs))
+        assert 0.5 <= max(scaled) < 1.0
+        cut = balanced_boundaries(costs, chunks)
+        for k in (-3, 0, 5):
+            assert balanced_boundaries([c * 2.0**k for c in costs], chunks) == cut
+        assert balanced_boundaries(list(scaled), chunks) == cut
+    model = TransformerConfig(12, 32, 2, 50, 8)
+    features = layer_features(model, 1, "full", [1, 2, 3], Topology.uniform(1))
+    coarse_program._transform_cut.cache_clear()
+    one, two = (coarse_program.transform_layers_per_chunk(features, 5, [b]) for b in (0, 1))
+    assert coarse_program._transform_cut.cache_info().misses == 1  # sizes 1 and 2: one cut
+    np.testing.assert_array_equal(one, two)
+    coarse_program.transform_layers_per_chunk(features, 5, [2])  # size 3: costs 1.5x, another key
+    assert coarse_program._transform_cut.cache_info().misses == 2
 
 
 def _objective(layers, embed, head):
