@@ -299,7 +299,7 @@ def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer,
     # lexicographic minimum over all candidates is the minimum over each
     # group's minimum, so groups are reduced one by one, with no sort.
     everyone = np.arange(len(lo))
-    best = _best_candidates(starts, finish, b, lo, receiver=False, owner=everyone, firsts=everyone)
+    best = _best_candidates(starts, finish, b, lo, receiver=False, firsts=everyone)
     groups = [(a, hi, True, everyone, everyone)]
     for side, (device, table, first, last) in enumerate(ranges):
         count = np.maximum(last - first, 0)
@@ -309,7 +309,7 @@ def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer,
         firsts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]])) if len(owner) else owner
         groups.append((b if side < 2 else a, tau, side >= 2, owner, firsts))
     for other, tau, receiver, owner, firsts in groups:
-        keys = _best_candidates(starts, finish, other[owner], tau, receiver, owner, firsts)
+        keys = _best_candidates(starts, finish, other[owner], tau, receiver, firsts)
         has = owner[firsts]  # the messages with candidates in this group
         ahead = _lexicographically_less(keys, tuple(k[has] for k in best))
         for k, new in zip(best, keys, strict=True):
@@ -317,11 +317,12 @@ def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer,
     return best[2]
 
 
-def _best_candidates(starts: _RowSearch, finish, other, tau, receiver: bool, owner, firsts) -> tuple:
-    """Per message (``firsts``: where each one's candidates begin among ``tau``,
-    which ``owner`` groups), its best candidate's keys ``(|fa - fb|, max(fa, fb), tau)``,
-    lexicographically least. ``tau`` are boundaries of the receiver's steps
-    (``receiver``) or of the sender's; ``other`` is the other device of each."""
+def _best_candidates(starts: _RowSearch, finish, other, tau, receiver: bool, firsts) -> tuple:
+    """Per message, its best candidate's keys ``(|fa - fb|, max(fa, fb), tau)``,
+    lexicographically least (``firsts``: where each message's candidates begin
+    among ``tau``, a message's together). ``tau`` are boundaries of the
+    receiver's steps (``receiver``) or of the sender's; ``other`` is the other
+    device of each."""
     free_other = _free_at(starts, finish, other, tau)
     fa, fb = (free_other, tau) if receiver else (tau, free_other)
     keys = (np.abs(fa - fb), np.maximum(fa, fb), tau)

@@ -319,9 +319,9 @@ def _repeats_into(steady: SteadyTemplate, long: PipelineTemplate) -> bool:
     rest = short.num_ops - end
     if long.num_ops != short.num_ops + copies * length:
         return False
-    columns = _signature_columns(short)
+    columns = _signature_columns(short)  # new arrays (astype copies)
     # The slots only the certificate reads are not part of the program (out_slot is the last column).
-    out_slot = columns[-1] = columns[-1].copy()
+    out_slot = columns[-1]
     out_slot[np.isin(out_slot, np.concatenate([steady.before, steady.after])) & (out_slot >= 0)] = -1
     for mine, theirs in zip(columns, _signature_columns(long), strict=True):
         repeated = theirs[end : end + copies * length].reshape(copies, length)
