@@ -249,9 +249,13 @@ def message_times(start, finish, producer, consumer):
     starts, finishes = _RowSearch(start, exact), _RowSearch(finish, exact)
     # At ``lo`` the sender is free (its producer just finished); if the receiver
     # is free too, ``lo`` is optimal: both keys 0 and ``lo``, the least of all.
-    wait = wait[_free_at(starts, finish, consumer[wait] // m, lo[wait]) > lo[wait]]
+    receiver_free = _free_at(starts, finish, consumer[wait] // m, lo[wait])
+    busy = receiver_free > lo[wait]
+    wait = wait[busy]
     if wait.size:
-        out[wait] = _barrier_times(starts, finishes, producer[wait], consumer[wait], lo[wait], hi[wait])
+        out[wait] = _barrier_times(
+            starts, finishes, producer[wait], consumer[wait], lo[wait], hi[wait], receiver_free[busy]
+        )
     return out
 
 
@@ -278,12 +282,16 @@ def issue_order(start, finish, producer, consumer) -> np.ndarray:
     return np.lexsort((tie, tier, time))
 
 
-def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer, lo, hi):
+def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer, lo, hi, receiver_free):
+    """Each waiting message's issue time (see :func:`message_times`); ``receiver_free``:
+    when its receiver can join a barrier at ``lo`` (already searched)."""
     start, finish = starts.table, finishes.table
     m = start.shape[1]
     a, i_a = np.divmod(producer, m)
     b, i_b = np.divmod(consumer, m)
-    order_a, order_b = np.argsort(a, kind="stable"), np.argsort(b, kind="stable")
+    order_a = order_b = None  # rows in order, for searches that go row by row
+    if starts.keys is None or finishes.keys is None:
+        order_a, order_b = np.argsort(a, kind="stable"), np.argsort(b, kind="stable")
     # Steps of the sender after its producer start at >= lo, and steps of the
     # receiver before its consumer end at <= hi, so only the far ends need a search.
     ranges = [
@@ -299,7 +307,7 @@ def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer,
     # lexicographic minimum over all candidates is the minimum over each
     # group's minimum, so groups are reduced one by one, with no sort.
     everyone = np.arange(len(lo))
-    best = _best_candidates(starts, finish, b, lo, receiver=False, firsts=everyone)
+    best = _best_candidates(starts, finish, b, lo, receiver=False, firsts=everyone, free_other=receiver_free)
     groups = [(a, hi, True, everyone, everyone)]
     for side, (device, table, first, last) in enumerate(ranges):
         count = np.maximum(last - first, 0)
@@ -317,13 +325,16 @@ def _barrier_times(starts: _RowSearch, finishes: _RowSearch, producer, consumer,
     return best[2]
 
 
-def _best_candidates(starts: _RowSearch, finish, other, tau, receiver: bool, firsts) -> tuple:
+def _best_candidates(
+    starts: _RowSearch, finish, other, tau, receiver: bool, firsts, free_other=None
+) -> tuple:
     """Per message, its best candidate's keys ``(|fa - fb|, max(fa, fb), tau)``,
     lexicographically least (``firsts``: where each message's candidates begin
     among ``tau``, a message's together). ``tau`` are boundaries of the
     receiver's steps (``receiver``) or of the sender's; ``other`` is the other
-    device of each."""
-    free_other = _free_at(starts, finish, other, tau)
+    device of each, and ``free_other`` when it can join at ``tau``, if known."""
+    if free_other is None:
+        free_other = _free_at(starts, finish, other, tau)
     fa, fb = (free_other, tau) if receiver else (tau, free_other)
     keys = (np.abs(fa - fb), np.maximum(fa, fb), tau)
     if len(firsts) == len(tau):  # one candidate per message
