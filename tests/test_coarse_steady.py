@@ -30,8 +30,8 @@ from distir_jax.transforms.coarse import (
 from distir_jax.transforms.coarse_schedule import order_costs
 from distir_jax.transforms.coarse_steady import (
     _find_period,
-    _op_keys,
     _signature,
+    _signature_columns,
     extrapolate,
     steady_template,
     worth_it,
@@ -69,14 +69,20 @@ def test_long_templates_are_the_short_one_with_the_period_repeated(schedule, p, 
             continue
         found += 1
         assert steady.extra_periods >= 1 and steady.microbatches == k
-        short = _signature(steady.template)
-        # Without the slots only the certificate reads (out_slot is the last column).
-        certificate = np.isin(short[:, -1], np.concatenate([steady.before, steady.after]))
-        short[certificate & (short[:, -1] >= 0), -1] = -1
-        begin, end = steady.period
-        rebuilt = np.concatenate([short[:end]] + [short[begin:end]] * steady.extra_periods + [short[end:]])
-        np.testing.assert_array_equal(rebuilt, _signature(pipeline_template(p, k, v, schedule, mode)))
+        long = pipeline_template(p, k, v, schedule, mode)
+        np.testing.assert_array_equal(_unrolled(steady), _signature(long))
     assert found >= 4
+
+
+def _unrolled(steady) -> np.ndarray:
+    """The signature of the long program ``steady`` stands for: its short template's
+    with the period repeated, without the slots only the certificate reads
+    (out_slot is the last column)."""
+    short = _signature(steady.template)
+    certificate = np.isin(short[:, -1], np.concatenate([steady.before, steady.after]))
+    short[certificate & (short[:, -1] >= 0), -1] = -1
+    begin, end = steady.period
+    return np.concatenate([short[:end]] + [short[begin:end]] * steady.extra_periods + [short[end:]])
 
 
 def test_no_steady_template_where_none_applies(monkeypatch):
@@ -90,38 +96,62 @@ def test_no_steady_template_where_none_applies(monkeypatch):
     assert not worth_it(4, 64, 1, "gpipe", "none")
 
 
+def _period_by_brute_force(short: np.ndarray, long: np.ndarray, copies: int):
+    """The latest ``(i - L, i)`` with ``long = short[:i] + short[i - L:i] * copies + short[i:]``."""
+    extra = len(long) - len(short)
+    if extra <= 0 or extra % copies:
+        return None
+    length = extra // copies
+    for i in range(len(short), length - 1, -1):
+        rebuilt = np.concatenate([short[:i]] + [short[i - length : i]] * copies + [short[i:]])
+        if np.array_equal(rebuilt, long):
+            return i - length, i
+    return None
+
+
 def test_find_period():
     rng = np.random.default_rng(0)
     a, q, z = (rng.integers(0, 5, (n, 3)) for n in (7, 4, 6))
-    short = np.concatenate([a, q, z])
-    assert _find_period(short, np.concatenate([a, q, q, z])) == (7, 11)
-    assert _find_period(short, np.concatenate([a, q, q[::-1], z])) is None
+    short = list(np.concatenate([a, q, z]).T)
+    assert _find_period(short, list(np.concatenate([a, q, q, z]).T)) == (7, 11)
+    assert _find_period(short, list(np.concatenate([a, q, q[::-1], z]).T)) is None
     assert _find_period(short, short) is None
+    # Several copies inserted: their number says the period's length.
+    assert _find_period(short, list(np.concatenate([a, q, q, q, z]).T), copies=2) == (7, 11)
+    assert _find_period(short, list(np.concatenate([a, q, q, q, z]).T), copies=1) is None
+    assert _find_period(short, list(np.concatenate([a, q, q, q[::-1], z]).T), copies=2) is None
+
+
+def test_find_period_finds_the_latest_insertion_as_brute_force_does():
+    """Short alphabets make blocks that also match a little earlier or later (``Z``
+    starting like ``Q``, rotations of ``Q``): the latest insertion point wins."""
+    rng = np.random.default_rng(1)
+    found = 0
+    for _ in range(400):
+        a, q, z = (rng.integers(0, 2, (int(rng.integers(1, 6)), 2)) for _ in range(3))
+        copies = int(rng.integers(1, 4))
+        short = np.concatenate([a, q, z])
+        long = np.concatenate([a] + [q] * (1 + copies) + [z])
+        if rng.random() < 0.3:  # another program
+            long[rng.integers(len(long))] ^= 1
+        want = _period_by_brute_force(short, long, copies)
+        assert _find_period(list(short.T), list(long.T), copies) == want
+        found += want is not None
+    assert 200 < found < 400
 
 
 @pytest.mark.parametrize("schedule, p, v", PIPELINES)
 @pytest.mark.parametrize("mode", ["none", "overlap_zero"])
-def test_op_keys_are_equal_exactly_where_signatures_are(schedule, p, v, mode):
+def test_period_of_templates_as_brute_force_finds_it(schedule, p, v, mode):
     step = p if schedule == "interleaved" else 1
-    short, longer = (pipeline_template(p, k, v, schedule, mode) for k in (3 * p, 3 * p + step))
-    keys, signatures = _op_keys(short, longer), (_signature(short), _signature(longer))
-    assert keys[0].ndim == 1  # packed: these fit in 63 bits
-    rng = np.random.default_rng(0)
-    i, j = rng.integers(0, len(keys[0]), 2000), rng.integers(0, len(keys[1]), 2000)
-    np.testing.assert_array_equal(
-        keys[0][i] == keys[1][j], np.all(signatures[0][i] == signatures[1][j], axis=1)
+    short, longer, long = (
+        pipeline_template(p, k, v, schedule, mode) for k in (3 * p, 3 * p + step, 3 * p + 3 * step)
     )
-    assert _find_period(*keys) == _find_period(*signatures) is not None
-
-
-def test_op_keys_fall_back_to_signatures_when_they_do_not_fit():
-    short = pipeline_template(2, 4, 1, "1f1b", "none")
-    dep_slot, out_slot = short.dep_slot.copy(), short.out_slot.copy()
-    dep_slot[-1], out_slot[0] = 2**31 - 2, 2**31 - 2  # two digits of 2**31: no room in 63 bits
-    wide = dataclasses.replace(short, num_slots=2**31 - 1, dep_slot=dep_slot, out_slot=out_slot)
-    keys = _op_keys(wide, wide)
-    assert keys[0].ndim == 2
-    np.testing.assert_array_equal(keys[0], _signature(wide))
+    a, b, c = (_signature(t) for t in (short, longer, long))
+    for other, copies in ((longer, 1), (long, 3)):
+        want = _period_by_brute_force(a, b if copies == 1 else c, copies)
+        assert want is not None
+        assert _find_period(_signature_columns(short), _signature_columns(other), copies) == want
 
 
 def _programs(schedule, p, v, k, tensor, recompute, data, zero, overlap, transform_order=False, **steady):
@@ -238,11 +268,10 @@ def test_costs_that_differ_in_their_last_bits_give_one_order():
     np.testing.assert_array_equal(a, b)
 
 
-def test_steady_templates_with_step_costs_are_checked_against_the_long_one():
+def test_steady_templates_with_step_costs_are_checked_against_the_long_one(monkeypatch):
     """GPT-3 175B with the transform's costs: the short template repeats into the
-    long one (ordered by integer costs, every sum exact); a short template
-    paired with another program's long one does not, which the check
-    (``_repeats_into``) sees."""
+    long one (ordered by integer costs, every sum exact); paired with another
+    program's long one (unit costs: another order), no short one stands for it."""
     from distir_jax.models import get_model_config
 
     model = get_model_config("gpt3-175b", dtype="bf16")
@@ -252,28 +281,37 @@ def test_steady_templates_with_step_costs_are_checked_against_the_long_one():
     costs = transform_step_costs(features, layers, [0])
     steady = steady_template(p, k, v, "interleaved", "none", step_costs=costs)
     assert steady is not None and steady.extra_periods > 0
-    assert coarse_steady._repeats_into(steady, pipeline_template(p, k, v, "interleaved", "none", costs))
-    other = pipeline_template(p, k, v, "interleaved", "none")  # unit costs: another order
-    assert not coarse_steady._repeats_into(steady, other)
+    long = pipeline_template(p, k, v, "interleaved", "none", costs)
+    np.testing.assert_array_equal(_unrolled(steady), _signature(long))
+    other = pipeline_template(p, k, v, "interleaved", "none")
+    assert not np.array_equal(_signature(other), _signature(long))
+    built = coarse_steady.pipeline_template
+    monkeypatch.setattr(
+        coarse_steady, "pipeline_template", lambda p_, k_, *rest: other if k_ == k else built(p_, k_, *rest)
+    )
+    assert steady_template(p, k, v, "interleaved", "none", step_costs=costs) is None
 
 
 @pytest.mark.parametrize("schedule, p, v, k", [("1f1b", 4, 1, 40), ("interleaved", 2, 2, 40)])
-def test_the_repeat_check_sees_a_change_in_any_part_of_the_long_template(schedule, p, v, k):
-    """``_repeats_into`` compares the prefix, every copy of the period and the rest
-    separately: a changed op in any of them, or one copy too many, fails it."""
+def test_the_period_check_sees_a_change_in_any_part_of_the_long_template(schedule, p, v, k):
+    """The period is found where the long template inserts copies of it
+    (``_short_in``), so a changed op in the prefix, in any copy of the period or
+    in the rest, or one copy too many, leaves none."""
     steady = steady_template(p, k, v, schedule, "overlap_zero")
     assert steady is not None and steady.extra_periods >= 2
+    family = (p, steady.template.microbatches, v, schedule, "overlap_zero", None, None, None)
     long = pipeline_template(p, k, v, schedule, "overlap_zero")
-    assert coarse_steady._repeats_into(steady, long)
+    found = coarse_steady._short_in(long, *family)
+    assert found is not None and found.period == steady.period and found.template is steady.template
     begin, end = steady.period
     length = end - begin
     last_copy = end + (steady.extra_periods - 1) * length
     for where in (begin // 2, end + length // 2, last_copy + length // 2, long.num_ops - 1):
         stage = long.stage.copy()
         stage[where, 0] = (stage[where, 0] + 1) % p  # the op on another stage
-        assert not coarse_steady._repeats_into(steady, dataclasses.replace(long, stage=stage)), where
-    fewer = dataclasses.replace(steady, extra_periods=steady.extra_periods - 1)
-    assert not coarse_steady._repeats_into(fewer, long)
+        assert coarse_steady._short_in(dataclasses.replace(long, stage=stage), *family) is None, where
+    more = pipeline_template(p, k + (p if schedule == "interleaved" else 1), v, schedule, "overlap_zero")
+    assert coarse_steady._short_in(dataclasses.replace(more, microbatches=k), *family) is None
 
 
 def test_step_costs_that_round_to_the_same_integers_share_a_short_template():
@@ -288,7 +326,8 @@ def test_step_costs_that_round_to_the_same_integers_share_a_short_template():
     a = steady_template(p, k, v, "interleaved", "none", step_costs=costs)
     b = steady_template(p, k, v, "interleaved", "none", step_costs=nudged)
     assert a is not None and a.template is b.template
-    assert coarse_steady._repeats_into(b, pipeline_template(p, k, v, "interleaved", "none", nudged))
+    long = pipeline_template(p, k, v, "interleaved", "none", nudged)
+    np.testing.assert_array_equal(_unrolled(b), _signature(long))
     for bad in (costs[:3], -costs):
         with pytest.raises(ValueError, match="step_costs must be"):
             steady_template(p, k, v, "interleaved", "none", step_costs=bad)

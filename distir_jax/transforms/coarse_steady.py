@@ -46,7 +46,9 @@ integer costs (:func:`~distir_jax.transforms.coarse_schedule.order_costs`), and
 with float ``1 + flops`` costs GPT-3 175B's long order was not the short one
 repeated (ties broke differently from period to period). A template built from
 step costs (the pipeline transform's order) is moreover checked op for op
-against the long template before it stands for it.
+against the long template before it stands for it: its period is found in the
+long template itself, as the block it inserts ``r`` copies of, with no
+template of one period more.
 """
 
 from __future__ import annotations
@@ -145,59 +147,56 @@ def short_candidates(schedule: str, pipeline: int) -> tuple[int, ...]:
 
 def _signature(template: PipelineTemplate) -> np.ndarray:
     """``[N, X]``: everything the kernel and the memory replay see of an op."""
-    return np.column_stack(_signature_columns(template))
+    return np.column_stack(_signature_columns(template)).astype(np.int64)
 
 
 def _signature_columns(template: PipelineTemplate) -> list[np.ndarray]:
-    """:func:`_signature`'s columns, ``[N]`` int64 each."""
+    """:func:`_signature`'s columns, ``[N]`` each (views, in the template's dtypes)."""
     cost_row, memory_row = template.rows
     columns = [cost_row, memory_row, template.stage, template.stream, template.link_kind]
     columns += [template.dep_slot, template.out_slot]
     columns = [np.asarray(c).reshape(len(cost_row), -1) for c in columns]
-    return [c[:, j].astype(np.int64) for c in columns for j in range(c.shape[1])]
+    return [c[:, j] for c in columns for j in range(c.shape[1])]
 
 
-def _op_keys(*templates: PipelineTemplate) -> list[np.ndarray]:
-    """Each template's :func:`_signature` as one int64 per op, comparable across
-    them: the columns (all >= -1) as digits of one mixed-radix number, or the
-    ``[N, X]`` signatures themselves where those numbers would not fit."""
-    columns = [_signature_columns(t) for t in templates]
-    width = range(len(columns[0]))
-    radix = [max(int(c[i].max(initial=-1)) for c in columns) + 2 for i in width]
-    lowest = min(int(c[i].min(initial=-1)) for c in columns for i in width)
-    if lowest < -1 or np.prod(np.asarray(radix, np.float64)) >= 2.0**62:
-        return [np.column_stack(c) for c in columns]
-    keys = []
-    for c in columns:
-        key = np.zeros(len(c[0]), np.int64)
-        for digit, r in zip(c, radix, strict=True):
-            key = key * r + (digit + 1)
-        keys.append(key)
-    return keys
+def _find_period(short: list, long: list, copies: int = 1) -> tuple[int, int] | None:
+    """``(begin, end)`` of a block ``Q`` with ``short = A Q Z`` and ``long = A Q^(1 + copies) Z``,
+    or None; the latest such block if there are several.
 
-
-def _find_period(short: np.ndarray, long: np.ndarray) -> tuple[int, int] | None:
-    """``(begin, end)`` of a block ``Q`` with ``short = A Q Z`` and ``long = A Q Q Z``, or None
-    (ops as rows of ``[N, X]`` signatures, or as ``[N]`` keys)."""
-    n1, length = len(short), len(long) - len(short)
-    if length <= 0 or length > n1:
+    ``short`` and ``long`` are two programs' ops as columns (``[N]`` arrays,
+    :func:`_signature_columns`), compared column by column: a GPT-3 long
+    template has ~1e5 ops, and packing or stacking the columns cost more than
+    comparing them."""
+    n1, extra = len(short[0]), len(long[0]) - len(short[0])
+    if extra <= 0 or extra % copies:
+        return None
+    length = extra // copies
+    if length > n1:
         return None
 
-    def rows(equal):  # [N(, X)] -> [N]
-        return equal if equal.ndim == 1 else np.all(equal, axis=1)
+    def agree(x: list, y: list) -> int:  # how many leading ops agree in every column
+        differ = [np.flatnonzero(a != b) for a, b in zip(x, y, strict=True)]
+        return min((int(d[0]) for d in differ if d.size), default=len(x[0]))
 
-    differ = np.flatnonzero(~rows(short == long[:n1]))
-    prefix = int(differ[0]) if differ.size else n1
-    differ = np.flatnonzero(~rows(short[::-1] == long[::-1][:n1]))
-    suffix = int(differ[0]) if differ.size else n1
+    prefix = agree(short, [c[:n1] for c in long])
+    suffix = agree([c[::-1] for c in short], [c[::-1][:n1] for c in long])
     # Insertion points i with long = short[:i] + X + short[i:]: N1 - suffix <= i <= prefix.
-    # X is a second copy of the block before it when long repeats with period L over [i - L, i + L).
-    repeats = rows(long[length:] == long[:-length])  # long[j] == long[j + L]
+    # X is copies of the block before it when long repeats with period L over
+    # [i - L, i + extra): long[j] == long[j + L] for every j there.
+    lo, hi = max(n1 - suffix, length), min(prefix, n1)
+    if hi < lo:
+        return None
+    window = slice(lo - length, hi + extra - length)  # every j some point needs
+    repeats = np.ones(window.stop - window.start, bool)
+    for c in long:
+        repeats &= c[window.start + length : window.stop + length] == c[window]
     bad = np.concatenate([[0], np.cumsum(~repeats)])
-    for i in range(min(prefix, n1), max(n1 - suffix, length) - 1, -1):
-        if bad[i] - bad[i - length] == 0:
-            return i - length, i
-    return None
+    points = np.arange(lo, hi + 1)
+    points = points[bad[points - lo + extra] == bad[points - lo]]
+    if not points.size:
+        return None
+    i = int(points[-1])
+    return i - length, i
 
 
 def _resources(template: PipelineTemplate) -> np.ndarray:
@@ -295,43 +294,35 @@ def steady_template(
             return None
         if (k - short_k) % step:
             continue
-        found = _short(p, int(short_k), v, schedule, mode, costs, segments, updates)
-        if found is None:
-            continue
-        found = dataclasses.replace(found, microbatches=k, extra_periods=(k - short_k) // step)
-        if not verify or _repeats_into(
-            found, pipeline_template(p, k, v, schedule, mode, step_costs, segments, updates)
-        ):
-            return found
+        family = (p, int(short_k), v, schedule, mode, costs, segments, updates)
+        if verify:
+            # The period is found where the long template repeats it: that is the
+            # check, and no template of one period more is needed to find it.
+            long = pipeline_template(p, k, v, schedule, mode, step_costs, segments, updates)
+            found = _short_in(long, *family)
+        else:
+            found = _short(*family)
+        if found is not None:
+            return dataclasses.replace(found, microbatches=k, extra_periods=(k - short_k) // step)
     return None
 
 
-def _repeats_into(steady: SteadyTemplate, long: PipelineTemplate) -> bool:
-    """Whether ``long`` is ``steady``'s short template with its period repeated.
+def _short_in(long: PipelineTemplate, p, short_k, v, schedule, mode, costs, segments, updates):
+    """:func:`_short`'s template of ``short_k`` microbatches if ``long`` is it with
+    its period repeated (``A Q Z`` and ``A Q^(1+r) Z``), else None.
 
-    Compared column by column of :func:`_signature` and part by part (the
-    prefix and the period, the copies of the period, the rest): a GPT-3 long
-    template has ~1e5 ops, and stacking both signatures cost more than the
-    comparison."""
-    short = steady.template
-    begin, end = steady.period
-    length, copies = end - begin, steady.extra_periods
-    rest = short.num_ops - end
-    if long.num_ops != short.num_ops + copies * length:
-        return False
-    columns = _signature_columns(short)  # new arrays (astype copies)
-    # The slots only the certificate reads are not part of the program (out_slot is the last column).
-    out_slot = columns[-1]
-    out_slot[np.isin(out_slot, np.concatenate([steady.before, steady.after])) & (out_slot >= 0)] = -1
-    for mine, theirs in zip(columns, _signature_columns(long), strict=True):
-        repeated = theirs[end : end + copies * length].reshape(copies, length)
-        if not (
-            np.array_equal(theirs[:end], mine[:end])
-            and np.array_equal(theirs[long.num_ops - rest :], mine[end:])
-            and bool(np.all(repeated == mine[begin:end]))
-        ):
-            return False
-    return True
+    The period is where ``long`` inserts ``r`` copies of a block that ends the
+    periodic part (:func:`_find_period`), so finding it checks the long
+    template op for op."""
+    step_costs = None if costs is None else np.asarray(costs, np.float64)
+    short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
+    extra = long.num_ops - short.num_ops
+    copies = (long.microbatches - short_k) // microbatch_period(schedule, p)
+    if copies < 1 or extra % copies:
+        return None
+    found = _find_period(_signature_columns(short), _signature_columns(long), copies)
+    family = (p, short_k, v, schedule, mode, costs, segments, updates)
+    return None if found is None else _with_period(family, *found)
 
 
 def _exact_times(step_costs, microbatches: int) -> bool:
@@ -353,10 +344,21 @@ def _short(p, short_k, v, schedule, mode, costs, segments, updates) -> SteadyTem
     short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
     longer_k = short_k + microbatch_period(schedule, p)
     longer = pipeline_template(p, longer_k, v, schedule, mode, step_costs, segments, updates)
-    found = _find_period(*_op_keys(short, longer))
-    if found is None or not _statically_sound(short, *found):
+    found = _find_period(_signature_columns(short), _signature_columns(longer))
+    family = (p, short_k, v, schedule, mode, costs, segments, updates)
+    return None if found is None else _with_period(family, *found)
+
+
+@functools.lru_cache(maxsize=512)
+def _with_period(family: tuple, begin: int, end: int) -> SteadyTemplate | None:
+    """The short template of ``family`` (:func:`_short`'s arguments) with period
+    ``[begin, end)``, if that passes the static checks (one per short template
+    and period: the long programs it stands for share it)."""
+    p, short_k, v, schedule, mode, costs, segments, updates = family
+    step_costs = None if costs is None else np.asarray(costs, np.float64)
+    short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
+    if not _statically_sound(short, begin, end):
         return None
-    begin, end = found
     res = _resources(short)
     in_period = res[begin:end]
     resources = np.unique(in_period[in_period >= 0])
