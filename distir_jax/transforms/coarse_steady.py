@@ -316,9 +316,8 @@ def _short_in(long: PipelineTemplate, p, short_k, v, schedule, mode, costs, segm
     template op for op."""
     step_costs = None if costs is None else np.asarray(costs, np.float64)
     short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
-    extra = long.num_ops - short.num_ops
     copies = (long.microbatches - short_k) // microbatch_period(schedule, p)
-    if copies < 1 or extra % copies:
+    if copies < 1:
         return None
     found = _find_period(_signature_columns(short), _signature_columns(long), copies)
     family = (p, short_k, v, schedule, mode, costs, segments, updates)
