@@ -389,7 +389,9 @@ MIN_LONG_OPS = 4096
 def worth_it(pipeline: int, microbatches: int, virtual_stages: int, schedule: str, mode: str) -> bool:
     """Whether a steady template saves work: the long program has at least
     ``MIN_LONG_OPS`` ops and more than the two short templates that find its
-    period (sizes from :func:`~distir_jax.transforms.coarse_pipeline.template_size`)."""
+    period without step costs (sizes from
+    :func:`~distir_jax.transforms.coarse_pipeline.template_size`; with step
+    costs one short template is built, and the long one to check it against)."""
     if schedule not in ("1f1b", "interleaved") or pipeline < 2:
         return False
     short_k = short_candidates(schedule, pipeline)[0]
