@@ -26,26 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sweep_gpt3  # noqa: E402
 
 import search._fast  # noqa: E402
-from search import StrategySpace, enumerate_configs, evaluate  # noqa: E402
+from search import enumerate_configs, evaluate  # noqa: E402
 
 
 def gpt3_sample() -> list:
     """``sweep_gpt3.product_configs_per_second(quick=True)``'s configurations."""
-    space = StrategySpace(
-        model=sweep_gpt3.MODEL,
-        world_sizes=(64,),
-        global_batch_sizes=(sweep_gpt3.GLOBAL_BATCH,),
-        microbatch_sizes=tuple(sweep_gpt3._divisors(sweep_gpt3.GLOBAL_BATCH)),
-        schedules=("1f1b", "interleaved"),
-        virtual_stages=tuple(v for v in sweep_gpt3._divisors(96) if v > 1),
-        recompute=sweep_gpt3.RECOMPUTE,
-        zero=(False, True),
-        overlap_grad_comm=(False, True),
-        dtype="bf16",
-        hardware=sweep_gpt3.PRESET.split(":")[0],
-        optimizer="adam",
-    )
-    return sweep_gpt3._subsample([c for c in enumerate_configs(space) if c.valid], 8)
+    return sweep_gpt3._subsample([c for c in enumerate_configs(sweep_gpt3.product_space()) if c.valid], 8)
 
 
 def main() -> None:

@@ -1182,19 +1182,12 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     )
 
 
-def product_configs_per_second(quick: bool) -> dict:
-    """The same sweep through the product, ``search.evaluate`` (fast engine, exact overlap).
+def product_space():
+    """Benchmark (b)'s space as the product's ``StrategySpace`` (see
+    :func:`product_configs_per_second` for how its valid rows differ)."""
+    from search import StrategySpace
 
-    The space is the equivalent ``StrategySpace``; its valid rows are evaluated
-    (every 8th with ``quick``). The product's validity rules differ a little
-    from :func:`enumerate_space`'s (11,250 valid rows against 10,458: it
-    allows interleaved chunks of uneven sizes, and without a pipeline runs
-    one microbatch per replica), so the counts differ. Returns ``configs``, ``seconds``,
-    ``configs_per_second`` and ``ok`` (rows that fit in memory).
-    """
-    from search import StrategySpace, enumerate_configs, evaluate
-
-    space = StrategySpace(
+    return StrategySpace(
         model=MODEL,
         world_sizes=(64,),
         global_batch_sizes=(GLOBAL_BATCH,),
@@ -1208,6 +1201,21 @@ def product_configs_per_second(quick: bool) -> dict:
         hardware=PRESET.split(":")[0],
         optimizer="adam",  # as layer_features' default, which the rest of this benchmark uses
     )
+
+
+def product_configs_per_second(quick: bool) -> dict:
+    """The same sweep through the product, ``search.evaluate`` (fast engine, exact overlap).
+
+    The space is the equivalent ``StrategySpace``; its valid rows are evaluated
+    (every 8th with ``quick``). The product's validity rules differ a little
+    from :func:`enumerate_space`'s (11,250 valid rows against 10,458: it
+    allows interleaved chunks of uneven sizes, and without a pipeline runs
+    one microbatch per replica), so the counts differ. Returns ``configs``, ``seconds``,
+    ``configs_per_second`` and ``ok`` (rows that fit in memory).
+    """
+    from search import enumerate_configs, evaluate
+
+    space = product_space()
     begin = time.perf_counter()
     configs = [c for c in enumerate_configs(space) if c.valid]
     configs = _subsample(configs, 8) if quick else configs

@@ -301,7 +301,7 @@ def test_the_period_check_sees_a_change_in_any_part_of_the_long_template(schedul
     assert steady is not None and steady.extra_periods >= 2
     family = (p, steady.template.microbatches, v, schedule, "overlap_zero", None, None, None)
     long = pipeline_template(p, k, v, schedule, "overlap_zero")
-    found = coarse_steady._short_in(long, *family)
+    found = coarse_steady._short_in(long, family)
     assert found is not None and found.period == steady.period and found.template is steady.template
     begin, end = steady.period
     length = end - begin
@@ -309,9 +309,9 @@ def test_the_period_check_sees_a_change_in_any_part_of_the_long_template(schedul
     for where in (begin // 2, end + length // 2, last_copy + length // 2, long.num_ops - 1):
         stage = long.stage.copy()
         stage[where, 0] = (stage[where, 0] + 1) % p  # the op on another stage
-        assert coarse_steady._short_in(dataclasses.replace(long, stage=stage), *family) is None, where
+        assert coarse_steady._short_in(dataclasses.replace(long, stage=stage), family) is None, where
     more = pipeline_template(p, k + (p if schedule == "interleaved" else 1), v, schedule, "overlap_zero")
-    assert coarse_steady._short_in(dataclasses.replace(more, microbatches=k), *family) is None
+    assert coarse_steady._short_in(dataclasses.replace(more, microbatches=k), family) is None
 
 
 def test_step_costs_that_round_to_the_same_integers_share_a_short_template():

@@ -298,29 +298,35 @@ def steady_template(
         if verify:
             # The period is found where the long template repeats it: that is the
             # check, and no template of one period more is needed to find it.
-            long = pipeline_template(p, k, v, schedule, mode, step_costs, segments, updates)
-            found = _short_in(long, *family)
+            found = _short_in(_template(family, k), family)
         else:
-            found = _short(*family)
+            found = _short(family)
         if found is not None:
             return dataclasses.replace(found, microbatches=k, extra_periods=(k - short_k) // step)
     return None
 
 
-def _short_in(long: PipelineTemplate, p, short_k, v, schedule, mode, costs, segments, updates):
-    """:func:`_short`'s template of ``short_k`` microbatches if ``long`` is it with
-    its period repeated (``A Q Z`` and ``A Q^(1+r) Z``), else None.
+def _template(family: tuple, microbatches: int | None = None) -> PipelineTemplate:
+    """The template of ``family`` (``(p, short k, v, schedule, mode, costs, segments,
+    updates)``, costs hashable) with its own short ``k`` or ``microbatches``."""
+    p, short_k, v, schedule, mode, costs, segments, updates = family
+    k = short_k if microbatches is None else microbatches
+    step_costs = None if costs is None else np.asarray(costs, np.float64)
+    return pipeline_template(p, k, v, schedule, mode, step_costs, segments, updates)
+
+
+def _short_in(long: PipelineTemplate, family: tuple) -> SteadyTemplate | None:
+    """:func:`_short`'s template of ``family`` if ``long`` is it with its period
+    repeated (``A Q Z`` and ``A Q^(1+r) Z``), else None.
 
     The period is where ``long`` inserts ``r`` copies of a block that ends the
     periodic part (:func:`_find_period`), so finding it checks the long
     template op for op."""
-    step_costs = None if costs is None else np.asarray(costs, np.float64)
-    short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
+    p, short_k, _, schedule = family[:4]
     copies = (long.microbatches - short_k) // microbatch_period(schedule, p)
     if copies < 1:
         return None
-    found = _find_period(_signature_columns(short), _signature_columns(long), copies)
-    family = (p, short_k, v, schedule, mode, costs, segments, updates)
+    found = _find_period(_signature_columns(_template(family)), _signature_columns(long), copies)
     return None if found is None else _with_period(family, *found)
 
 
@@ -336,26 +342,21 @@ def _exact_times(step_costs, microbatches: int) -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def _short(p, short_k, v, schedule, mode, costs, segments, updates) -> SteadyTemplate | None:
-    """The short template of ``short_k`` microbatches and its period, if it
-    has one that passes the static checks (shared by every longer ``k``)."""
-    step_costs = None if costs is None else np.asarray(costs, np.float64)
-    short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
-    longer_k = short_k + microbatch_period(schedule, p)
-    longer = pipeline_template(p, longer_k, v, schedule, mode, step_costs, segments, updates)
-    found = _find_period(_signature_columns(short), _signature_columns(longer))
-    family = (p, short_k, v, schedule, mode, costs, segments, updates)
+def _short(family: tuple) -> SteadyTemplate | None:
+    """The short template of ``family`` (see :func:`_template`) and its period, if
+    it has one that passes the static checks (shared by every longer ``k``)."""
+    p, short_k, _, schedule = family[:4]
+    longer = _template(family, short_k + microbatch_period(schedule, p))
+    found = _find_period(_signature_columns(_template(family)), _signature_columns(longer))
     return None if found is None else _with_period(family, *found)
 
 
 @functools.lru_cache(maxsize=512)
 def _with_period(family: tuple, begin: int, end: int) -> SteadyTemplate | None:
-    """The short template of ``family`` (:func:`_short`'s arguments) with period
+    """The short template of ``family`` (see :func:`_template`) with period
     ``[begin, end)``, if that passes the static checks (one per short template
     and period: the long programs it stands for share it)."""
-    p, short_k, v, schedule, mode, costs, segments, updates = family
-    step_costs = None if costs is None else np.asarray(costs, np.float64)
-    short = pipeline_template(p, short_k, v, schedule, mode, step_costs, segments, updates)
+    short = _template(family)
     if not _statically_sound(short, begin, end):
         return None
     res = _resources(short)
@@ -371,7 +372,7 @@ def _with_period(family: tuple, begin: int, end: int) -> SteadyTemplate | None:
     out_slot[marked] = slot[marked]
     return SteadyTemplate(
         template=dataclasses.replace(short, out_slot=out_slot, num_slots=short.num_slots + len(marked)),
-        microbatches=short_k,
+        microbatches=short.microbatches,
         extra_periods=0,
         period=(begin, end),
         before=np.where(before >= 0, slot[np.maximum(before, 0)], -1),
