@@ -177,6 +177,10 @@ class Config:
         return "interleaved" if self.virtual_stages > 1 else "1f1b"
 
     @property
+    def global_batch(self) -> int:
+        return self.data * self.microbatch_size * self.microbatches
+
+    @property
     def mode(self) -> str:
         return data_mode(self.data, self.overlap, self.zero)
 
@@ -894,7 +898,12 @@ def _run(calls: list[_Call], rows: _Rows, kernel: _Kernel | None, short: dict, p
 
 
 def gpt3_configs_per_second(
-    quick: bool, *, fit_only: bool = False, steady: bool = True, verbose: bool = True
+    quick: bool,
+    *,
+    fit_only: bool = False,
+    steady: bool = True,
+    verbose: bool = True,
+    global_batches: tuple[int, ...] = (GLOBAL_BATCH,),
 ) -> dict:
     """Simulates benchmark (b)'s space end to end and measures configurations per second.
 
@@ -907,6 +916,10 @@ def gpt3_configs_per_second(
         steady period stands for the rest (:mod:`~distir_jax.transforms.coarse_steady`;
         rows whose short run does not certify the period are simulated long).
       verbose: print the size of the space and of the sample once enumerated.
+      global_batches: the space of each of these global batch sizes, one
+        after the other, in one sweep (benchmark (b): 1024 only). A larger
+        space shows the rate once the fixed work (compiling, measuring fine
+        blocks, finding steady templates) is shared by more configurations.
 
     Returns:
       A dict: ``configs`` evaluated, ``space_configs`` in the whole space,
@@ -914,13 +927,13 @@ def gpt3_configs_per_second(
       program sizes as simulated), ``simulated`` timelines, ``steady`` (of
       them from a short template), ``uncertified`` (short runs redone long),
       ``fit`` (within memory), ``seconds`` end to end, ``configs_per_second``,
-      ``calls`` (kernel calls), ``best`` (the fastest fitting
-      configuration, its step time and peak memory), ``phases`` (seconds per
+      ``calls`` (kernel calls), ``best`` (the fitting configuration of
+      most samples per second, its step time and peak memory), ``phases`` (seconds per
       phase), and per configuration ``step_time``, ``peak`` and ``status``.
     """
     # float64: the steady certificate compares clock shifts to ~1e-9 relative.
     with jax.enable_x64(True):
-        return _gpt3(quick, fit_only, steady, verbose)
+        return _gpt3(quick, fit_only, steady, verbose, tuple(global_batches))
 
 
 def _short_candidates(schedule: str, p: int) -> tuple[int, ...]:
@@ -1136,24 +1149,27 @@ def simulate_configs(
 # among them) stay out of the full collection the sweep's allocations would trigger
 # (~30-60 ms of the GIL on a 2-core CPU).
 @older_objects_frozen()
-def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
+def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool, global_batches: tuple) -> dict:
     begin = time.perf_counter()
     topology = get_preset(PRESET)
     model = get_model_config(MODEL, dtype="bf16")
-    everything = enumerate_space(model, topology.num_devices, GLOBAL_BATCH)
+    everything = [c for batch in global_batches for c in enumerate_space(model, topology.num_devices, batch)]
     configs = _subsample(everything, 8) if quick else everything
     if verbose:
         keys = len({c.structural_key for c in everything})
+        batches = ", ".join(map(str, global_batches))
         print(
-            f"GPT-3 175B on {PRESET}: {len(everything)} configurations, {keys} structural keys; "
-            f"evaluating {len(configs)}",
+            f"GPT-3 175B on {PRESET}, global batch {batches}: {len(everything)} configurations, "
+            f"{keys} structural keys; evaluating {len(configs)}",
             flush=True,
         )
     r = simulate_configs(model, topology, configs, fit_only=fit_only, steady=steady)
     step_time, peak, status = r["step_time"], r["peak"], r["status"]
     total = time.perf_counter() - begin
     fit = status == STATUS_OK
-    best = int(np.argmin(np.where(fit, step_time, np.inf))) if fit.any() else None
+    # The most samples per second (with one global batch: the shortest step).
+    samples = np.asarray([c.global_batch for c in configs], np.float64) / np.where(fit, step_time, np.inf)
+    best = int(np.argmax(samples)) if fit.any() else None
     return dict(
         configs=len(configs),
         space_configs=len(everything),
@@ -1171,9 +1187,10 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
         if best is None
         else dict(
             dataclasses.asdict(configs[best]),
+            global_batch=configs[best].global_batch,
             step_time_s=float(step_time[best]),
             peak_memory_gb=float(peak[best]) / 1e9,
-            samples_per_s=GLOBAL_BATCH / float(step_time[best]),
+            samples_per_s=configs[best].global_batch / float(step_time[best]),
         ),
         phases=r["phases"],
         step_time=step_time,
@@ -1182,7 +1199,7 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool) -> dict:
     )
 
 
-def product_space():
+def product_space(global_batches: tuple[int, ...] = (GLOBAL_BATCH,)):
     """Benchmark (b)'s space as the product's ``StrategySpace`` (see
     :func:`product_configs_per_second` for how its valid rows differ)."""
     from search import StrategySpace
@@ -1190,8 +1207,8 @@ def product_space():
     return StrategySpace(
         model=MODEL,
         world_sizes=(64,),
-        global_batch_sizes=(GLOBAL_BATCH,),
-        microbatch_sizes=tuple(_divisors(GLOBAL_BATCH)),
+        global_batch_sizes=tuple(global_batches),
+        microbatch_sizes=tuple(sorted({b for batch in global_batches for b in _divisors(batch)})),
         schedules=("1f1b", "interleaved"),
         virtual_stages=tuple(v for v in _divisors(96) if v > 1),
         recompute=RECOMPUTE,
@@ -1203,7 +1220,7 @@ def product_space():
     )
 
 
-def product_configs_per_second(quick: bool) -> dict:
+def product_configs_per_second(quick: bool, global_batches: tuple[int, ...] = (GLOBAL_BATCH,)) -> dict:
     """The same sweep through the product, ``search.evaluate`` (fast engine, exact overlap).
 
     The space is the equivalent ``StrategySpace``; its valid rows are evaluated
@@ -1215,7 +1232,7 @@ def product_configs_per_second(quick: bool) -> dict:
     """
     from search import enumerate_configs, evaluate
 
-    space = product_space()
+    space = product_space(global_batches)
     begin = time.perf_counter()
     configs = [c for c in enumerate_configs(space) if c.valid]
     configs = _subsample(configs, 8) if quick else configs
@@ -1236,6 +1253,17 @@ def _set_call_shape(groups: int, rows: int) -> None:
         if value < 1:
             raise SystemExit(f"{name} must be >= 1, got {value}")
     _GROUPS_PER_CALL, _ROWS_PER_GROUP = groups, rows
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """``--global-batches``: positive integers, comma-separated."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1 or len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(f"expected distinct positive integers like 512,1024, got {text!r}")
+    return sizes
 
 
 def main() -> None:
@@ -1263,6 +1291,12 @@ def main() -> None:
         help=f"configurations per template group (default {_ROWS_PER_GROUP})",
     )
     parser.add_argument(
+        "--global-batches",
+        type=_batch_sizes,
+        default=(GLOBAL_BATCH,),
+        help=f"comma-separated global batch sizes swept together (default {GLOBAL_BATCH}: benchmark (b))",
+    )
+    parser.add_argument(
         "--product",
         action="store_true",
         help="also run the space through search.evaluate (the product's engine, exact overlap)",
@@ -1271,7 +1305,8 @@ def main() -> None:
     _set_call_shape(args.groups_per_call, args.rows_per_group)
     print(f"# {platform.node()} {platform.machine()} jax {jax.__version__} devices={jax.devices()}")
     print(f"# groups/call {_GROUPS_PER_CALL}, rows/group {_ROWS_PER_GROUP}, ops/slice {_OP_CHUNK}")
-    r = gpt3_configs_per_second(args.quick, fit_only=args.fit_only, steady=not args.no_steady)
+    sweep = dict(fit_only=args.fit_only, global_batches=args.global_batches)
+    r = gpt3_configs_per_second(args.quick, steady=not args.no_steady, **sweep)
     print(
         f"space: {r['space_configs']} configurations; evaluated {r['configs']} ({r['structural_keys']} "
         f"structural keys, {r['templates']} templates, {r['ops']:.3g} coarse ops simulated); "
@@ -1285,7 +1320,7 @@ def main() -> None:
     )
     print(f"best: {r['best']}")
     if args.check_steady and not args.no_steady:
-        full = gpt3_configs_per_second(args.quick, fit_only=args.fit_only, steady=False, verbose=False)
+        full = gpt3_configs_per_second(args.quick, steady=False, verbose=False, **sweep)
         both = np.isfinite(r["step_time"]) & np.isfinite(full["step_time"])
         rel = np.abs(r["step_time"] - full["step_time"]) / full["step_time"]
         print(
@@ -1295,7 +1330,7 @@ def main() -> None:
             f"{'identical' if np.array_equal(r['status'], full['status']) else 'DIFFER'}"
         )
     if args.product:
-        r = product_configs_per_second(args.quick)
+        r = product_configs_per_second(args.quick, args.global_batches)
         print(
             f"through search.evaluate: {r['configs']} valid configurations in {r['seconds']:.2f} s, "
             f"{r['configs_per_second']:.4g} configurations/s; {r['ok']} fit in memory",

@@ -77,6 +77,21 @@ def test_every_row_is_simulated_once_whatever_the_call_shape(small_gpt, monkeypa
     assert got["calls"] > want["calls"]
 
 
+def test_spaces_of_several_global_batches_swept_together_give_each_ones_rows(small_gpt):
+    """Rows of several global batches share keys and templates (more size variants
+    per key): each space's rows come out as that space swept alone, bit for bit."""
+    model, topology, _ = small_gpt
+    spaces = [sweep_gpt3.enumerate_space(model, world=16, global_batch=batch)[::7] for batch in (16, 64)]
+    assert {c.global_batch for c in spaces[0]} == {16} and {c.global_batch for c in spaces[1]} == {64}
+    with jax.enable_x64(True):
+        alone = [sweep_gpt3.simulate_configs(model, topology, space) for space in spaces]
+        together = sweep_gpt3.simulate_configs(model, topology, spaces[0] + spaces[1])
+    cut = len(spaces[0])
+    for name in ("step_time", "peak", "status"):
+        np.testing.assert_array_equal(together[name][:cut], alone[0][name])
+        np.testing.assert_array_equal(together[name][cut:], alone[1][name])
+
+
 @pytest.mark.parametrize("carry", [0, 1, 2])
 def test_lanes_carried_into_later_calls_change_no_result(small_gpt, monkeypatch, carry):
     """A lane whose group outlasts its call goes on in the next one (its timeline and
