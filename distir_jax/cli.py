@@ -434,12 +434,11 @@ def _sweep(args) -> int:
         written.append(args.output[: -len(".csv")] + ".parquet")
     counts = {s: int((table["status"] == s).sum()) for s in ("ok", "out of memory", "invalid")}
     engines = {e: int((table["engine"] == e).sum()) for e in ("fast", "exact")}
+    ran = ", ".join(f"{n} {e}" for e, n in engines.items() if n)
     print(
         f"{len(table)} configurations in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s): "
         + ", ".join(f"{n} {s}" for s, n in counts.items())
-        + " (engine: "
-        + ", ".join(f"{n} {e}" for e, n in engines.items() if n)
-        + ")"
+        + (f" (engine: {ran})" if ran else "")
     )
     limit = None if args.memory_limit is None else args.memory_limit * 1e9
     best = table.top_k(args.top_k, memory_limit=limit)
@@ -451,9 +450,28 @@ def _sweep(args) -> int:
         print(f"\nthroughput vs peak memory Pareto front ({len(front)} configurations):")
         print(front.format())
     else:
-        print(f"\nno configuration fits{under}; see the reasons in the results file")
+        _print_why_none_fits(table, limit, under, args.top_k)
     print("\nresults: " + " and ".join(os.path.abspath(p) for p in written))
     return 0
+
+
+def _print_why_none_fits(table, limit: float | None, under: str, k: int) -> None:
+    """What to print instead of a ranking when no row fits: the rows that come
+    closest (least peak memory), or, when none was simulated, why rows are invalid."""
+    closest = table.closest_to_fitting(min(k, 5), memory_limit=limit)
+    if len(closest):
+        print(f"\nno configuration fits{under}; the {len(closest)} of least peak memory per GPU:")
+        print(closest.format())
+        print(
+            "smaller microbatches (--microbatch-sizes, or more --microbatches), --recompute full, "
+            "--zero yes and more pipeline or tensor parallelism lower the peak; every row's reason "
+            "is in the results file"
+        )
+        return
+    print(f"\nno configuration is valid{under}; the most common reasons (rows, one of them):")
+    for reason, rows in table.reasons()[:5]:
+        print(f"  {rows:6d}  {reason}")
+    print("every row's reason is in the results file")
 
 
 def _simulate(args) -> int:

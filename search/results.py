@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -208,6 +209,35 @@ class ResultTable:
             )
         )
         return self.take(index[order][: max(int(k), 0)])
+
+    def closest_to_fitting(self, k: int = 5, memory_limit: float | None = None) -> ResultTable:
+        """The ``k`` simulated rows that miss a memory budget by the least: out of
+        memory, or (with ``memory_limit``, bytes) ok but over it; least peak
+        memory first, then highest throughput, then id. For when :meth:`top_k`
+        is empty: how far the space is from fitting, and which knobs come closest."""
+        status = self._columns["status"]
+        over = status == STATUS_OOM
+        if memory_limit is not None:
+            over |= (status == STATUS_OK) & (self._columns["peak_memory_bytes"] > memory_limit)
+        index = np.flatnonzero(over)
+        order = np.lexsort(
+            (
+                self._columns["config_id"][index].astype(str),
+                -self._columns["throughput_samples_per_s"][index],
+                self._columns["peak_memory_bytes"][index],
+            )
+        )
+        return self.take(index[order][: max(int(k), 0)])
+
+    def reasons(self, status: str = STATUS_INVALID) -> list[tuple[str, int]]:
+        """The reasons of the rows of ``status`` as ``(first such reason, rows)``,
+        most common first: reasons that differ only in numbers are one kind
+        (``microbatches=2`` and ``microbatches=4``), shown by the first row's."""
+        kinds: dict[str, list] = {}
+        for reason in self._columns["reason"][self._columns["status"] == status]:
+            kind = kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", str(reason)), [str(reason), 0])
+            kind[1] += 1
+        return sorted(((example, rows) for example, rows in kinds.values()), key=lambda x: -x[1])
 
     def pareto_front(self) -> ResultTable:
         """Ok rows not dominated in (higher throughput, lower peak memory), by memory.

@@ -59,6 +59,30 @@ def test_sweep_writes_results_and_prints_the_best(tmp_path, capsys):
     assert ResultTable.read(tmp_path / "sweep.parquet") == table
 
 
+def test_a_sweep_where_nothing_fits_shows_the_rows_closest_to_fitting(tmp_path, capsys):
+    out = tmp_path / "sweep.csv"
+    assert main(SMALL_SWEEP + ["--output", str(out), "--memory-limit", "1e-6"]) == 0
+    text = capsys.readouterr().out
+    assert "no configuration fits under 1e-06 GB per GPU; the 3 of least peak memory" in text
+    assert "top 3 by throughput" not in text and "peak GB" in text
+    closest = ResultTable.read(out).closest_to_fitting(3, memory_limit=1e3)
+    shown = text.split("least peak memory per GPU:\n")[1].splitlines()[1:4]
+    assert [line.split()[:3] for line in shown] == [
+        [str(closest[c][i]) for c in ("data", "tensor", "pipeline")] for i in range(3)
+    ]
+
+
+def test_a_sweep_of_invalid_rows_only_says_why(tmp_path, capsys):
+    out = tmp_path / "sweep.csv"
+    argv = SMALL_SWEEP + ["--output", str(out), "--world-sizes", "2", "--pipeline", "2"]
+    argv += ["--microbatches", "3"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "2 configurations in" in text and "2 invalid" in text and "(engine" not in text
+    assert "no configuration is valid; the most common reasons (rows, one of them):" in text
+    assert "does not split into 3 microbatches" in text
+
+
 def test_the_default_sweep_is_the_main_job(tmp_path, capsys):
     """`distir-jax sweep` with no options: the README's main job."""
     pytest.importorskip("distir_jax.transforms.parallelize")

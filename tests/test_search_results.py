@@ -66,6 +66,26 @@ def test_top_k_memory_limit_is_inclusive():
     assert len(HAND_MADE.top_k(3, memory_limit=1e9)) == 0
 
 
+def test_closest_to_fitting_ranks_rows_over_the_budget_by_peak_memory():
+    assert HAND_MADE.closest_to_fitting()["data"].tolist() == [3]  # the one out of memory row
+    # Under 25 GB: ok rows over it too, least memory first, then higher throughput, then id.
+    assert HAND_MADE.closest_to_fitting(4, memory_limit=25e9)["data"].tolist() == [2, 4, 5, 7]
+    assert HAND_MADE.closest_to_fitting(100, memory_limit=25e9)["data"].tolist() == [2, 4, 5, 7, 8, 3]
+    assert len(HAND_MADE.closest_to_fitting(0)) == 0
+    assert len(make_table([("ok", 1.0, 1e9), ("invalid", 0.0, 0.0)]).closest_to_fitting()) == 0
+
+
+def test_reasons_group_reasons_that_differ_in_numbers_only():
+    table = make_table([("invalid", 0.0, 0.0)] * 4 + [("ok", 1.0, 1e9)])
+    reasons = ["pipeline=2 needs 4 layers", "pipeline=3 needs 6 layers", "bad dtype"]
+    reasons.append("pipeline=4 needs 8 layers")
+    columns = {name: table[name] for name in table.columns}
+    columns["reason"] = np.asarray(reasons + [""], object)
+    table = ResultTable(columns)
+    assert table.reasons() == [("pipeline=2 needs 4 layers", 3), ("bad dtype", 1)]
+    assert table.reasons("ok") == [("", 1)]
+
+
 def test_pareto_front_on_hand_made_table():
     front = HAND_MADE.pareto_front()
     assert front["data"].tolist() == [0, 2, 4, 7]
