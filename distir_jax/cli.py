@@ -450,15 +450,15 @@ def _sweep(args) -> int:
         print(f"\nthroughput vs peak memory Pareto front ({len(front)} configurations):")
         print(front.format())
     else:
-        _print_why_none_fits(table, limit, under, args.top_k)
+        _print_why_none_fits(table, limit, under)
     print("\nresults: " + " and ".join(os.path.abspath(p) for p in written))
     return 0
 
 
-def _print_why_none_fits(table, limit: float | None, under: str, k: int) -> None:
+def _print_why_none_fits(table, limit: float | None, under: str) -> None:
     """What to print instead of a ranking when no row fits: the rows that come
     closest (least peak memory), or, when none was simulated, why rows are invalid."""
-    closest = table.closest_to_fitting(min(k, 5), memory_limit=limit)
+    closest = table.closest_to_fitting(5, memory_limit=limit)
     if len(closest):
         print(f"\nno configuration fits{under}; the {len(closest)} of least peak memory per GPU:")
         print(closest.format())

@@ -63,12 +63,12 @@ def test_a_sweep_where_nothing_fits_shows_the_rows_closest_to_fitting(tmp_path, 
     out = tmp_path / "sweep.csv"
     assert main(SMALL_SWEEP + ["--output", str(out), "--memory-limit", "1e-6"]) == 0
     text = capsys.readouterr().out
-    assert "no configuration fits under 1e-06 GB per GPU; the 3 of least peak memory" in text
+    assert "no configuration fits under 1e-06 GB per GPU; the 5 of least peak memory" in text
     assert "top 3 by throughput" not in text and "peak GB" in text
-    closest = ResultTable.read(out).closest_to_fitting(3, memory_limit=1e3)
-    shown = text.split("least peak memory per GPU:\n")[1].splitlines()[1:4]
-    assert [line.split()[:3] for line in shown] == [
-        [str(closest[c][i]) for c in ("data", "tensor", "pipeline")] for i in range(3)
+    closest = ResultTable.read(out).closest_to_fitting(5, memory_limit=1e3)
+    shown = text.split("least peak memory per GPU:\n")[1].splitlines()[1:6]
+    assert [line.split()[:4] for line in shown] == [
+        [str(closest[c][i]) for c in ("data", "tensor", "pipeline", "microbatches")] for i in range(5)
     ]
 
 
