@@ -63,7 +63,8 @@ Multi-host: call ``jax.distributed.initialize()`` on every host first, then
 ``evaluate`` on each with its own ``results_path``: by default each host
 takes every ``jax.process_count()``-th configuration starting at
 ``jax.process_index()`` and shards it over its local devices; no host talks
-to another. Merge the files afterwards with
+to another. A host resumed from its own file goes on with its own slice.
+Merge the files afterwards with
 ``ResultTable.concat([ResultTable.read(p) for p in paths])``.
 """
 
@@ -191,11 +192,12 @@ def evaluate(
     configs = as_configs(space_or_configs)
     existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
     done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
-    todo = [c for c in configs if c.config_id not in done_ids]
     index, count = _process_slice(process_index, process_count)
     if not 0 <= index < count:
         raise ValueError(f"process_index must be in [0, {count}), got {index}")
-    todo = todo[index::count]
+    # The slice first, then what is done: a host resumed from its own results file
+    # (which holds its slice only) goes on with its slice, whatever the others did.
+    todo = [c for c in configs[index::count] if c.config_id not in done_ids]
 
     rows: dict[str, dict] = {}
     bar = progress_bar(len(todo), progress)

@@ -184,6 +184,25 @@ def test_process_slices_partition_the_sweep(swept):
     _assert_same_numbers(evaluate(subset, progress=False), table.take(np.arange(40)))
 
 
+def test_a_process_resumed_from_its_own_file_finishes_its_own_slice(swept, tmp_path):
+    """Hosts with a results file each: one interrupted and resumed evaluates the rest
+    of its slice (not every other row of what its file lacks, which were other hosts')."""
+    configs, _ = swept
+    subset = configs[:30]
+    paths = [tmp_path / f"part{i}.csv" for i in range(2)]
+    evaluate(subset[0::2][:5], results_path=paths[0], progress=False)  # host 0, "interrupted"
+    parts = [
+        evaluate(subset, results_path=p, progress=False, process_index=i, process_count=2)
+        for i, p in enumerate(paths)
+    ]
+    ids = [ResultTable.read(p)["config_id"].tolist() for p in paths]
+    assert sorted(ids[0]) == sorted(c.config_id for c in subset[0::2])
+    assert sorted(ids[1]) == sorted(c.config_id for c in subset[1::2])
+    merged = ResultTable.concat(parts)
+    order = {cid: i for i, cid in enumerate(merged["config_id"].tolist())}
+    assert merged.take([order[c.config_id] for c in subset]) == evaluate(subset, progress=False)
+
+
 def _assert_same_numbers(a: ResultTable, b: ResultTable) -> None:
     assert a["config_id"].tolist() == b["config_id"].tolist()
     assert a["status"].tolist() == b["status"].tolist()
