@@ -3,6 +3,8 @@
     distir-jax sweep                      # GPT-3 XL on 16 A100s: which strategy should I run?
     distir-jax sweep --model mlp-small --world-sizes 4,8 --batch-sizes 256 --top-k 5
     distir-jax simulate --model gpt3-xl --data 4 --pipeline 4 --microbatches 8 --trace trace.json
+    distir-jax sweep --parts 4 --part 0   # one of 4 hosts or jobs; then:
+    distir-jax merge results/sweep.csv results/sweep.part-*-of-4.csv
 
 Usage errors print one line and exit with status 2.
 """
@@ -64,6 +66,16 @@ def _positive_int(text: str) -> int:
     (value,) = _ints(text) if "," not in text else (None,)
     if value is None:
         raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected one integer >= 0, got {text!r}")
     return value
 
 
@@ -134,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="distir-jax", description="Simulate distributed training strategies with DistIR-JAX."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{sweep,simulate}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{sweep,simulate,merge}", parser_class=_Parser)
     sub.required = True
 
     s = sub.add_parser(
@@ -251,18 +263,29 @@ def build_parser() -> argparse.ArgumentParser:
         "(a running sweep checkpoints there every minute, so an interrupted one can resume)",
     )
     s.add_argument(
-        "--top-k",
+        "--parts",
         type=_positive_int,
-        default=10,
-        help="how many of the best strategies to print (default: 10)",
+        default=1,
+        metavar="N",
+        help="split the sweep into N parts, each run on its own (hosts, or a job array) with --part, "
+        "then joined with `distir-jax merge` (default: 1)",
     )
     s.add_argument(
-        "--memory-limit",
-        type=_positive_float,
-        default=None,
-        metavar="GB",
-        help="only rank strategies whose peak memory per GPU is at most this many GB",
+        "--part",
+        type=_non_negative_int,
+        default=0,
+        metavar="I",
+        help="the part this run sweeps, 0 to N-1: every N-th configuration from the I-th; its "
+        "results go to --output with .part-I-of-N before the suffix (default: 0)",
     )
+    s.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize(), which finds the cluster in the "
+        "environment (SLURM, Open MPI, Kubernetes, TPU pods), and sweep this process's part, "
+        "jax.process_index() of jax.process_count(); elsewhere, run --parts/--part on each host",
+    )
+    _add_ranking_options(s)
     s.add_argument(
         "--chunk-size",
         type=_positive_int,
@@ -324,7 +347,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write a Chrome trace (one event per op per device) to PATH",
     )
+
+    g = sub.add_parser(
+        "merge",
+        help="join the results files of a sweep's parts and rank them",
+        description="Join the results files of a sweep run in parts (sweep --parts / --distributed) "
+        "into one, then print the best strategies as sweep does.",
+    )
+    g.add_argument("output", help="the joined results file, .csv or .parquet")
+    g.add_argument("inputs", nargs="+", metavar="part", help="the parts' results files")
+    _add_ranking_options(g)
     return parser
+
+
+def _add_ranking_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--top-k",
+        type=_positive_int,
+        default=10,
+        help="how many of the best strategies to print (default: 10)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=_positive_float,
+        default=None,
+        metavar="GB",
+        help="only rank strategies whose peak memory per GPU is at most this many GB",
+    )
 
 
 def _exact_rows_notice(configs) -> str:
@@ -367,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_.code or 0)
     try:
         _use_compilation_cache()
-        return _sweep(args) if args.command == "sweep" else _simulate(args)
+        return {"sweep": _sweep, "simulate": _simulate, "merge": _merge}[args.command](args)
     except ValueError as err:  # a bad combination of options, found by the library
         print(f"distir-jax {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -402,41 +451,136 @@ def _sweep(args) -> int:
         hardware=args.hardware,
         optimizer=args.optimizer,
     )
-    if not str(args.output).endswith((".csv", ".parquet")):
-        raise ValueError(f"--output must end in .csv or .parquet, got {args.output!r}")
-    if str(args.output).endswith(".parquet") and not _has_pyarrow():
-        raise ValueError("--output .parquet needs pyarrow; install it or write a .csv")
+    _check_output(args.output, "--output")
+    part, parts = _sweep_part(args)
+    output = _part_path(args.output, part, parts)
     start = time.perf_counter()
     configs = list(enumerate_configs(space))
+    mine = f"; this run is part {part} of {parts}: {len(configs[part::parts])} of them" if parts > 1 else ""
     print(
         f"sweeping {len(configs)} configurations of {', '.join(map(str, args.model))} on "
-        f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)} ...",
+        f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)}{mine} ...",
         flush=True,
     )
     if args.engine == "fast":  # say up front which rows take the slow path, and why
-        print(_exact_rows_notice(configs), end="", flush=True)
-    if not args.resume and os.path.exists(args.output):
-        os.remove(args.output)  # a fresh sweep; evaluate would otherwise resume from it
+        print(_exact_rows_notice(configs[part::parts]), end="", flush=True)
+    if not args.resume and os.path.exists(output):
+        os.remove(output)  # a fresh sweep; evaluate would otherwise resume from it
     # Always through results_path: evaluate checkpoints there, so an interrupted
     # sweep can go on with --resume.
     table = evaluate(
         configs,
-        results_path=args.output,
+        results_path=output,
         max_configs_per_call=args.chunk_size,
         max_bytes=int(args.chunk_memory * 1e9),
         progress=not args.no_progress,
+        process_index=part,
+        process_count=parts,
         engine=args.engine,
     )
     elapsed = time.perf_counter() - start
-    written = [args.output]
-    if args.output.endswith(".csv") and _has_pyarrow():
-        table.to_parquet(args.output[: -len(".csv")] + ".parquet")
-        written.append(args.output[: -len(".csv")] + ".parquet")
+    rate = f" in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s)"
+    _report(table, args, _write_copies(table, output), rate)
+    if parts > 1:
+        root, suffix = os.path.splitext(args.output)
+        print(
+            f"\nthe ranking above is this part's; once every part is done, join them with:\n"
+            f"  distir-jax merge {args.output} {root}.part-*-of-{parts}{suffix}"
+        )
+    return 0
+
+
+def _merge(args) -> int:
+    from search import ResultTable
+
+    _check_output(args.output, "the merged file")
+    tables = []
+    for path in args.inputs:
+        if not os.path.exists(path):
+            raise ValueError(f"no results file {path!r}")
+        tables.append(ResultTable.read(path))
+    table = _without_repeats(ResultTable.concat(tables), args.inputs, tables)
+    table.write(args.output)
+    _report(table, args, _write_copies(table, args.output), f" from {len(tables)} files")
+    return 0
+
+
+def _without_repeats(table, paths: Sequence[str], tables: Sequence):
+    """``table`` with each configuration once: parts of one sweep never share
+    a row, but a file given twice, or a part resumed into another's file, may
+    repeat one; the same row twice is kept once, two different ones are an error."""
+    import numpy as np
+
+    ids = table["config_id"]
+    _, first = np.unique(ids, return_index=True)
+    if len(first) == len(ids):
+        return table
+    keep = np.sort(first)
+    kept = dict(zip(ids[keep].tolist(), keep.tolist(), strict=True))
+    source = np.repeat(np.arange(len(tables)), [len(t) for t in tables])
+    for i in np.setdiff1d(np.arange(len(ids)), keep):
+        j = kept[ids[i]]
+        if table.row(int(i)) != table.row(j):
+            raise ValueError(
+                f"configuration {ids[i]} has different results in {paths[source[j]]!r} and "
+                f"{paths[source[i]]!r}: are they parts of one sweep?"
+            )
+    return table.take(keep)
+
+
+def _check_output(path: str, what: str) -> None:
+    if not str(path).endswith((".csv", ".parquet")):
+        raise ValueError(f"{what} must end in .csv or .parquet, got {path!r}")
+    if str(path).endswith(".parquet") and not _has_pyarrow():
+        raise ValueError(f"{what} is .parquet, which needs pyarrow; install it or write a .csv")
+
+
+def _sweep_part(args) -> tuple[int, int]:
+    """``(part, parts)`` of this run: ``--part`` / ``--parts``, or with ``--distributed``
+    this process's index and count once ``jax.distributed`` is initialized."""
+    if not args.distributed:
+        if args.part >= args.parts:
+            raise ValueError(f"--part must be in [0, {args.parts}) for --parts {args.parts}, got {args.part}")
+        return args.part, args.parts
+    if args.parts != 1 or args.part != 0:
+        raise ValueError("--distributed takes this process's part from jax.distributed: drop --part/--parts")
+    import jax
+
+    try:
+        jax.distributed.initialize()
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(
+            f"--distributed: jax.distributed.initialize() failed ({err}); it finds the hosts of a "
+            "SLURM, Open MPI, Kubernetes or TPU job: elsewhere run each host with --parts N --part I"
+        ) from None
+    return jax.process_index(), jax.process_count()
+
+
+def _part_path(path: str, part: int, parts: int) -> str:
+    """``results/sweep.csv`` as part ``part`` of ``parts``: ``results/sweep.part-2-of-4.csv``."""
+    if parts == 1:
+        return path
+    root, suffix = os.path.splitext(path)
+    return f"{root}.part-{part}-of-{parts}{suffix}"
+
+
+def _write_copies(table, path: str) -> list[str]:
+    """The files ``table`` is in: ``path`` (written already) and, next to a .csv, a
+    .parquet copy when pyarrow is installed."""
+    written = [path]
+    if path.endswith(".csv") and _has_pyarrow():
+        table.to_parquet(path[: -len(".csv")] + ".parquet")
+        written.append(path[: -len(".csv")] + ".parquet")
+    return written
+
+
+def _report(table, args, written: list[str], how: str) -> None:
+    """Prints a results table's counts, its best rows (or why none fits) and its files."""
     counts = {s: int((table["status"] == s).sum()) for s in ("ok", "out of memory", "invalid")}
     engines = {e: int((table["engine"] == e).sum()) for e in ("fast", "exact")}
     ran = ", ".join(f"{n} {e}" for e, n in engines.items() if n)
     print(
-        f"{len(table)} configurations in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s): "
+        f"{len(table)} configurations{how}: "
         + ", ".join(f"{n} {s}" for s, n in counts.items())
         + (f" (engine: {ran})" if ran else "")
     )
@@ -452,7 +596,6 @@ def _sweep(args) -> int:
     else:
         _print_why_none_fits(table, limit, under)
     print("\nresults: " + " and ".join(os.path.abspath(p) for p in written))
-    return 0
 
 
 def _print_why_none_fits(table, limit: float | None, under: str) -> None:

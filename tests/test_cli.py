@@ -1,6 +1,9 @@
 """The distir-jax command line: sweep, simulate, help and usage errors."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -121,6 +124,91 @@ def test_sweep_resume_keeps_existing_rows(tmp_path, capsys):
     assert "under 1000 GB" in capsys.readouterr().out
 
 
+def _same_rows(table: ResultTable, like: ResultTable) -> bool:
+    """Whether ``table`` holds ``like``'s rows, in any order."""
+    at = {cid: i for i, cid in enumerate(table["config_id"].tolist())}
+    return len(table) == len(like) and table.take([at[c] for c in like["config_id"].tolist()]) == like
+
+
+def test_a_sweep_in_parts_merges_into_the_whole_sweep(tmp_path, capsys):
+    whole, out = tmp_path / "whole.csv", tmp_path / "sweep.csv"
+    assert main(SMALL_SWEEP + ["--output", str(whole)]) == 0
+    for part in range(3):
+        assert main(SMALL_SWEEP + ["--output", str(out), "--parts", "3", "--part", str(part)]) == 0
+    text = capsys.readouterr().out
+    assert "this run is part 2 of 3" in text and f"distir-jax merge {out}" in text
+    parts = [tmp_path / f"sweep.part-{i}-of-3.csv" for i in range(3)]
+    sizes = [len(ResultTable.read(p)) for p in parts]
+    assert sum(sizes) == len(ResultTable.read(whole)) and min(sizes) > 0 and not out.exists()
+    assert main(["merge", str(out), *map(str, parts), "--top-k", "3"]) == 0
+    assert _same_rows(ResultTable.read(out), ResultTable.read(whole))
+    text = capsys.readouterr().out
+    assert "configurations from 3 files" in text and "top 3 by throughput" in text
+
+
+def test_merge_keeps_a_repeated_row_once_and_refuses_two_different_ones(tmp_path, capsys):
+    a, b, out = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "out.csv"
+    assert main(SMALL_SWEEP + ["--output", str(a)]) == 0
+    assert main(["merge", str(out), str(a), str(a)]) == 0
+    assert _same_rows(ResultTable.read(out), ResultTable.read(a))
+    table = ResultTable.read(a)
+    columns = {name: table[name].copy() for name in table.columns}
+    columns["step_time_s"][0] *= 2
+    ResultTable(columns).write(b)
+    capsys.readouterr()
+    err = _one_line_error(capsys, 2, ["merge", str(out), str(a), str(b)])
+    assert table["config_id"][0] in err and "different results" in err
+
+
+def test_a_distributed_sweep_on_two_processes_merges_into_the_whole_sweep(tmp_path, capsys):
+    """Two processes of one jax.distributed job (found as a SLURM job on this host)
+    sweep a part each; merged, they are the sweep run in one process."""
+    whole = tmp_path / "whole.csv"
+    assert main(SMALL_SWEEP + ["--output", str(whole)]) == 0
+    job = str(int.from_bytes(os.urandom(2), "little"))  # the coordinator's port follows the job id
+    run = "import sys; from distir_jax.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = [sys.executable, "-c", run, *SMALL_SWEEP, "--output", str(tmp_path / "sweep.csv"), "--distributed"]
+    slurm = dict(
+        SLURM_JOB_ID=job, SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", SLURM_STEP_NUM_NODES="1"
+    )
+    processes = [
+        subprocess.Popen(
+            argv,
+            env={
+                **os.environ,
+                **slurm,
+                "SLURM_PROCID": str(i),
+                "SLURM_LOCALID": str(i),
+                "DISTIR_JAX_CACHE": "off",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert "this run is part 0 of 2" in outputs[0] and "this run is part 1 of 2" in outputs[1]
+    parts = [str(tmp_path / f"sweep.part-{i}-of-2.csv") for i in range(2)]
+    assert main(["merge", str(tmp_path / "merged.csv"), *parts]) == 0
+    assert _same_rows(ResultTable.read(tmp_path / "merged.csv"), ResultTable.read(whole))
+
+
+def test_distributed_without_a_cluster_says_what_to_do_instead():
+    run = "import sys; from distir_jax.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORD", "KUBE"))}
+    done = subprocess.run(
+        [sys.executable, "-c", run, *SMALL_SWEEP, "--distributed"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "jax.distributed.initialize() failed" in done.stderr and "--parts N --part I" in done.stderr
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -135,6 +223,12 @@ def test_sweep_resume_keeps_existing_rows(tmp_path, capsys):
         ["simulate", "--data", "0"],
         ["simulate", "--data", "2", "--world-size", "3"],
         ["simulate", "--recompute", "most"],
+        ["sweep", "--parts", "2", "--part", "2"],
+        ["sweep", "--part", "-1"],
+        ["sweep", "--distributed", "--parts", "2"],
+        ["merge", "out.csv"],
+        ["merge", "out.txt", "part.csv"],
+        ["merge", "out.csv", "no-such-part.csv"],
         ["frobnicate"],
         [],
     ],
@@ -172,8 +266,14 @@ def test_help_lists_every_option(capsys):
         "--chunk-size",
         "--chunk-memory",
         "--engine",
+        "--parts",
+        "--part",
+        "--distributed",
     ):
         assert option in text, option
+    assert main(["merge", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--top-k" in text and "--memory-limit" in text
     assert main(["simulate", "--help"]) == 0
     text = capsys.readouterr().out
     for option in (
