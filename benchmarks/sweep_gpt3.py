@@ -94,6 +94,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distir_jax.cli import _ints
 from distir_jax.cost import COST_FEATURES, compute_seconds, op_seconds, with_link_seconds
 from distir_jax.grouped_timeline import (
     GroupedTimeline,
@@ -1256,13 +1257,10 @@ def _set_call_shape(groups: int, rows: int) -> None:
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
-    """``--global-batches``: positive integers, comma-separated."""
-    try:
-        sizes = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1 or len(set(sizes)) < len(sizes):
-        raise argparse.ArgumentTypeError(f"expected distinct positive integers like 512,1024, got {text!r}")
+    """``--global-batches``: distinct integers >= 1, comma-separated (as the CLI's lists)."""
+    sizes = _ints(text)
+    if len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(f"expected distinct global batch sizes, got {text!r}")
     return sizes
 
 

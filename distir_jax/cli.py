@@ -456,14 +456,15 @@ def _sweep(args) -> int:
     output = _part_path(args.output, part, parts)
     start = time.perf_counter()
     configs = list(enumerate_configs(space))
-    mine = f"; this run is part {part} of {parts}: {len(configs[part::parts])} of them" if parts > 1 else ""
+    mine = configs[part::parts]  # what evaluate takes of them
+    this_part = f"; this run is part {part} of {parts}: {len(mine)} of them" if parts > 1 else ""
     print(
         f"sweeping {len(configs)} configurations of {', '.join(map(str, args.model))} on "
-        f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)}{mine} ...",
+        f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)}{this_part} ...",
         flush=True,
     )
     if args.engine == "fast":  # say up front which rows take the slow path, and why
-        print(_exact_rows_notice(configs[part::parts]), end="", flush=True)
+        print(_exact_rows_notice(mine), end="", flush=True)
     if not args.resume and os.path.exists(output):
         os.remove(output)  # a fresh sweep; evaluate would otherwise resume from it
     # Always through results_path: evaluate checkpoints there, so an interrupted

@@ -200,15 +200,8 @@ class ResultTable:
         ok = self._columns["status"] == STATUS_OK
         if memory_limit is not None:
             ok &= self._columns["peak_memory_bytes"] <= memory_limit
-        index = np.flatnonzero(ok)
-        order = np.lexsort(
-            (
-                self._columns["config_id"][index].astype(str),
-                self._columns["peak_memory_bytes"][index],
-                -self._columns["throughput_samples_per_s"][index],
-            )
-        )
-        return self.take(index[order][: max(int(k), 0)])
+        throughput, memory = self["throughput_samples_per_s"], self["peak_memory_bytes"]
+        return self._first(k, np.flatnonzero(ok), -throughput, memory)
 
     def closest_to_fitting(self, k: int = 5, memory_limit: float | None = None) -> ResultTable:
         """The ``k`` simulated rows that miss a memory budget by the least: out of
@@ -219,14 +212,13 @@ class ResultTable:
         over = status == STATUS_OOM
         if memory_limit is not None:
             over |= (status == STATUS_OK) & (self._columns["peak_memory_bytes"] > memory_limit)
-        index = np.flatnonzero(over)
-        order = np.lexsort(
-            (
-                self._columns["config_id"][index].astype(str),
-                -self._columns["throughput_samples_per_s"][index],
-                self._columns["peak_memory_bytes"][index],
-            )
-        )
+        throughput, memory = self["throughput_samples_per_s"], self["peak_memory_bytes"]
+        return self._first(k, np.flatnonzero(over), memory, -throughput)
+
+    def _first(self, k: int, index: np.ndarray, *keys: np.ndarray) -> ResultTable:
+        """Rows ``index``, at most ``k`` of them, sorted by ``keys`` (full columns, the
+        first the most significant), then by ``config_id``."""
+        order = np.lexsort((self._columns["config_id"][index].astype(str), *(x[index] for x in keys[::-1])))
         return self.take(index[order][: max(int(k), 0)])
 
     def reasons(self, status: str = STATUS_INVALID) -> list[tuple[str, int]]:

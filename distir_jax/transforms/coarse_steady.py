@@ -346,9 +346,7 @@ def _short(family: tuple) -> SteadyTemplate | None:
     """The short template of ``family`` (see :func:`_template`) and its period, if
     it has one that passes the static checks (shared by every longer ``k``)."""
     p, short_k, _, schedule = family[:4]
-    longer = _template(family, short_k + microbatch_period(schedule, p))
-    found = _find_period(_signature_columns(_template(family)), _signature_columns(longer))
-    return None if found is None else _with_period(family, *found)
+    return _short_in(_template(family, short_k + microbatch_period(schedule, p)), family)
 
 
 @functools.lru_cache(maxsize=512)
