@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Union
 
 from distir_jax.models import MLPConfig, TransformerConfig, get_model_config
-from distir_jax.presets import get_preset
+from distir_jax.presets import get_preset, preset_names
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "attention", "full")
@@ -158,6 +158,12 @@ class StrategySpace:
         for m in self.model:  # fail early on an unknown preset name
             if isinstance(m, str):
                 get_model_config(m)
+        # An unknown hardware name is a typo, not a strategy that does not fit: one
+        # error, not a row per configuration. (A count a preset cannot build, or a
+        # dtype it has no peak for, is a row's reason: other rows may have it.)
+        unknown = [h for h in self.hardware if h.partition(":")[0] not in preset_names()]
+        if unknown:
+            raise ValueError(f"hardware: unknown preset(s) {unknown}; expected some of {preset_names()}")
 
     def replace(self, **changes) -> StrategySpace:
         return dataclasses.replace(self, **changes)

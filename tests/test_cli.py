@@ -231,6 +231,8 @@ def test_distributed_without_a_cluster_says_what_to_do_instead():
         ["sweep", "--zero", "maybe"],
         ["sweep", "--output", "results.txt"],
         ["sweep", "--engine", "approximate"],
+        ["sweep", "--hardware", "dgx-a100-80gb,tpu-v9"],
+        ["simulate", "--hardware", "tpu-v9"],
         ["sweep", "--no-such-option"],
         ["simulate", "--data", "0"],
         ["simulate", "--data", "2", "--world-size", "3"],

@@ -152,11 +152,18 @@ def test_transformer_seq_len_override_and_dtype():
         dict(global_batch_sizes=()),
         dict(microbatches=None),
         dict(zero=("yes",)),
+        dict(hardware=("dgx-a100-80gb", "tpu-v9")),
+        dict(hardware="tpu-v9:16"),
     ],
 )
 def test_bad_spaces_raise_value_error(bad):
     with pytest.raises(ValueError):
         StrategySpace(**bad)
+
+
+def test_an_unknown_hardware_name_is_one_error_naming_it_and_the_presets():
+    with pytest.raises(ValueError, match=r"unknown preset\(s\) \['tpu-v9'\].*'dgx-a100-80gb'"):
+        StrategySpace(model="mlp-xs", hardware=("dgx-a100-80gb", "tpu-v9"))
 
 
 def test_unknown_dtype_is_an_invalid_row_not_an_exception():
