@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -501,6 +502,9 @@ def _merge(args) -> int:
             raise ValueError(f"no results file {path!r}")
         tables.append(ResultTable.read(path))
     table = _without_repeats(ResultTable.concat(tables), args.inputs, tables)
+    order = _sweep_order(args.inputs, [len(t) for t in tables])
+    if order is not None and len(order) == len(table):  # every part of one sweep, no row twice
+        table = table.take(order)  # the one-process sweep's order
     table.write(args.output)
     _report(table, args, _write_copies(table, args.output), f" from {len(tables)} files")
     return 0
@@ -555,6 +559,35 @@ def _sweep_part(args) -> tuple[int, int]:
             "SLURM, Open MPI, Kubernetes or TPU job: elsewhere run each host with --parts N --part I"
         ) from None
     return jax.process_index(), jax.process_count()
+
+
+# What _part_path appends to a results file's name.
+_PART_NAME = re.compile(r"\.part-(\d+)-of-(\d+)\.(?:csv|parquet)$")
+
+
+def _sweep_order(paths: Sequence[str], lengths: Sequence[int]):
+    """Where the rows of ``paths`` (concatenated) go in the one-process sweep's order, or None.
+
+    Part ``I`` of ``N`` holds configurations ``I, I + N, I + 2N, ...`` in
+    enumeration order (``_sweep``), so when ``paths`` are every part of one
+    sweep by name (``*.part-I-of-N.csv``), each once and complete (part ``I``
+    has as many rows as ``range(I, total, N)``), interleaving them gives the
+    whole sweep's file row for row. Otherwise (files renamed, a part missing
+    or unfinished) the merge keeps the files' order. (An unfinished part lacks
+    the end of its slice; where that still fits the count, the rows missing are
+    the sweep's last ones, and the order of the others is still the sweep's.)"""
+    import numpy as np
+
+    found = [_PART_NAME.search(os.path.basename(str(path))) for path in paths]
+    if not all(found) or len({int(m[2]) for m in found}) != 1:
+        return None
+    parts, index = int(found[0][2]), [int(m[1]) for m in found]
+    total = sum(lengths)
+    if sorted(index) != list(range(parts)) or any(
+        n != len(range(i, total, parts)) for i, n in zip(index, lengths, strict=True)
+    ):
+        return None
+    return np.argsort(np.concatenate([np.arange(i, total, parts) for i in index]))
 
 
 def _part_path(path: str, part: int, parts: int) -> str:

@@ -145,10 +145,35 @@ def test_a_sweep_in_parts_merges_into_the_whole_sweep(tmp_path, capsys):
     parts = [tmp_path / f"sweep.part-{i}-of-3.csv" for i in range(3)]
     sizes = [len(ResultTable.read(p)) for p in parts]
     assert sum(sizes) == len(ResultTable.read(whole)) and min(sizes) > 0 and not out.exists()
-    assert main(["merge", str(out), *map(str, parts), "--top-k", "3"]) == 0
-    assert _same_rows(ResultTable.read(out), ResultTable.read(whole))
+    assert main(["merge", str(out), *map(str, parts[::-1]), "--top-k", "3"]) == 0
+    # Every part, complete: the one-process sweep's file, row for row and byte for byte.
+    assert out.read_bytes() == whole.read_bytes()
     text = capsys.readouterr().out
     assert "configurations from 3 files" in text and "top 3 by throughput" in text
+    # Renamed parts (or a part missing) keep the files' order: the same rows.
+    renamed = [tmp_path / f"p{i}.csv" for i in range(3)]
+    for part, copy in zip(parts, renamed, strict=True):
+        copy.write_bytes(part.read_bytes())
+    assert main(["merge", str(out), *map(str, renamed)]) == 0
+    merged = ResultTable.read(out)
+    assert _same_rows(merged, ResultTable.read(whole)) and out.read_bytes() != whole.read_bytes()
+    assert merged.take(range(sizes[0])) == ResultTable.read(parts[0])
+
+
+def test_merge_puts_a_sweeps_parts_in_enumeration_order_only_when_all_are_there():
+    from distir_jax.cli import _sweep_order
+
+    parts = [f"r/s.part-{i}-of-3.csv" for i in range(3)]
+    # 8 rows: part 0 holds rows 0, 3, 6; part 1: 1, 4, 7; part 2: 2, 5.
+    order = _sweep_order(parts, [3, 3, 2])
+    assert np.concatenate([[0, 3, 6], [1, 4, 7], [2, 5]])[order].tolist() == list(range(8))
+    order = _sweep_order(parts[::-1], [2, 3, 3])  # given in another order
+    assert np.concatenate([[2, 5], [1, 4, 7], [0, 3, 6]])[order].tolist() == list(range(8))
+    assert _sweep_order(parts[:2], [3, 3]) is None  # a part missing
+    assert _sweep_order(parts, [2, 3, 3]) is None  # part 0 unfinished (or not of one sweep)
+    assert _sweep_order([parts[0], parts[0], parts[2]], [3, 3, 2]) is None  # a part twice
+    assert _sweep_order(parts[:2] + ["r/s.part-2-of-4.csv"], [3, 3, 2]) is None
+    assert _sweep_order(["a.csv", "b.csv"], [1, 1]) is None
 
 
 def test_merge_keeps_a_repeated_row_once_and_refuses_two_different_ones(tmp_path, capsys):
@@ -205,7 +230,7 @@ def test_a_distributed_sweep_on_two_processes_merges_into_the_whole_sweep(tmp_pa
     assert "this run is part 0 of 2" in outputs[0] and "this run is part 1 of 2" in outputs[1]
     parts = [str(tmp_path / f"sweep.part-{i}-of-2.csv") for i in range(2)]
     assert main(["merge", str(tmp_path / "merged.csv"), *parts]) == 0
-    assert _same_rows(ResultTable.read(tmp_path / "merged.csv"), ResultTable.read(whole))
+    assert (tmp_path / "merged.csv").read_bytes() == whole.read_bytes()
 
 
 def test_distributed_without_a_cluster_says_what_to_do_instead():
