@@ -36,6 +36,14 @@ _OP_FIELDS = ("resource", "slot_device", "dep_slot", "out_slot", "link", "is_com
 _WORKSPACE_FACTOR = 4
 
 
+def kernel_float() -> np.dtype:
+    """The kernel's float type in the caller's context: float32, or float64 under
+    ``jax.enable_x64``. Stacked features, hardware and period weights are
+    stored in it, so a float64 sweep is float64 from its inputs on (a float32
+    launch overhead of 5 us, upcast, is 2.5e-8 off)."""
+    return np.dtype(jax.numpy.result_type(float))
+
+
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """One lowered, compacted program and its hardware, ready to be cut into rows.
@@ -117,9 +125,10 @@ def row_bytes(capacity: Capacity) -> int:
     n, k, p = capacity.num_ops, capacity.slots_per_op, capacity.deps_per_op
     d, r, v = capacity.num_devices, capacity.num_resources, capacity.finish_slots
     # resource and slot_device, deps, out, link, is_comm, features, period weight
-    per_op = 8 * k + 4 * p + 4 + 8 + 1 + 4 * len(_OP_FEATURES) + 4
-    inputs = n * per_op + 8 * d * d + 4 * 4 * d + 4 * r
-    carry = 4 * (3 * r + v + 2 * d)
+    f = kernel_float().itemsize
+    per_op = 8 * k + 4 * p + 4 + 8 + 1 + f * len(_OP_FEATURES) + f
+    inputs = n * per_op + 2 * f * d * d + 4 * f * d + 4 * r
+    carry = f * (3 * r + v + 2 * d)
     return _WORKSPACE_FACTOR * inputs + carry
 
 
@@ -149,6 +158,7 @@ class RowStack:
         items = list(items) + [items[0]] * (num_rows - len(items))
         self.capacity, self.num_rows = capacity, num_rows
         fields = _row_fields(capacity, num_rows)
+        self.float = fields["flops"][1]
         self.per_device = {
             name: np.full(shape, fill, dtype)
             for name, (shape, dtype, fill) in fields.items()
@@ -168,16 +178,16 @@ class RowStack:
             x = np.asarray(prog.resource_device)
             self.per_device["resource_device"][rows, : x.shape[-1]] = x
             self.per_device["num_ops"][rows] = int(prog.num_ops)
-            for name in _DEVICE_FEATURES:  # the kernel computes in float32
+            for name in _DEVICE_FEATURES:
                 x = np.asarray(getattr(prog, name))
                 self.per_device[name][rows, : x.shape[-1]] = x[variants] if x.ndim > 1 else x
             hw = prepared.hardware
             member_hardware.append(pad_hardware(hw, d) if hw.num_devices < d else hw)
             member_of[rows] = m
         # Each program's hardware stacked once, then a row per configuration;
-        # float32, like the other stacked fields.
+        # in the kernel's float type, like the other stacked fields.
         stacked = stack_hardware(member_hardware)
-        self.hardware = jax.tree_util.tree_map(lambda x: x[member_of].astype(np.float32), stacked)
+        self.hardware = jax.tree_util.tree_map(lambda x: x[member_of].astype(self.float), stacked)
 
         self._concatenate(items)
 
@@ -218,7 +228,7 @@ class RowStack:
             True: np.where(inside, self._feature_start[:rows, None] + at, len(self._flat["flops"]) - 1),
         }
         arrays = {name: np.take(self._flat[name], where[name in _OP_FEATURES], axis=0) for name in _OP_FIELDS}
-        placeholder = np.zeros((rows, 1, 1), np.float32)
+        placeholder = np.zeros((rows, 1, 1), self.float)
         return Program(
             **arrays,
             **{name: x[:rows] for name, x in self.per_device.items()},
@@ -257,6 +267,7 @@ def _row_fields(
     n = capacity.num_ops if num_ops is None else num_ops
     k, p = capacity.slots_per_op, capacity.deps_per_op
     d, r = capacity.num_devices, capacity.num_resources
+    f = kernel_float()
     return {
         "resource": ((num_rows, n, k), np.int32, NO_RESOURCE),
         "slot_device": ((num_rows, n, k), np.int32, NO_DEVICE),
@@ -266,8 +277,8 @@ def _row_fields(
         "is_comm": ((num_rows, n), np.bool_, False),
         "resource_device": ((num_rows, r), np.int32, NO_DEVICE),
         "num_ops": ((num_rows,), np.int32, 0),
-        **{name: ((num_rows, n), np.float32, 0.0) for name in _OP_FEATURES},
-        **{name: ((num_rows, d), np.float32, 0.0) for name in _DEVICE_FEATURES},
+        **{name: ((num_rows, n), f, 0.0) for name in _OP_FEATURES},
+        **{name: ((num_rows, d), f, 0.0) for name in _DEVICE_FEATURES},
     }
 
 
@@ -299,11 +310,12 @@ def stack_periods(items: Sequence[tuple[Prepared, int]], capacity: Capacity, num
 
 def _period_fields(capacity: Capacity, num_rows: int) -> dict[str, tuple[tuple[int, ...], type, object]]:
     n, r = capacity.num_ops, capacity.num_resources  # a period uses at most every resource
+    f = kernel_float()
     return {
-        "op_weight": ((num_rows, n), np.float32, 1.0),
+        "op_weight": ((num_rows, n), f, 1.0),
         "period_before": ((num_rows, r), np.int32, -1),
         "period_after": ((num_rows, r), np.int32, -1),
-        "extra_periods": ((num_rows,), np.float32, 0.0),
+        "extra_periods": ((num_rows,), f, 0.0),
     }
 
 
@@ -312,7 +324,8 @@ def row_shapes(capacity: Capacity, num_rows: int, sharding=None):
     leaves: compiles a call ahead of its data. Returns ``(program, hardware, periods)``."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     arrays = {name: spec(shape, dtype) for name, (shape, dtype, _) in _row_fields(capacity, num_rows).items()}
-    placeholder = spec((num_rows, 1, 1), np.float32)
+    f = kernel_float()
+    placeholder = spec((num_rows, 1, 1), f)
     program = Program(
         **arrays, alloc_bytes=placeholder, free_bytes=placeholder, num_finish_slots=capacity.finish_slots
     )
@@ -320,8 +333,8 @@ def row_shapes(capacity: Capacity, num_rows: int, sharding=None):
     per_device = {"link_bandwidth": (d, d), "link_latency": (d, d), "launch_overhead": ()}
     hardware = Hardware(
         **{
-            f.name: spec((num_rows, *per_device.get(f.name, (d,))), np.float32)
-            for f in dataclasses.fields(Hardware)
+            field.name: spec((num_rows, *per_device.get(field.name, (d,))), f)
+            for field in dataclasses.fields(Hardware)
         }
     )
     periods = {

@@ -38,8 +38,10 @@ Pipeline (one direction):
    with no communication).
 
 Precision: the kernel runs in float32 (under ``jax.enable_x64``, float64,
-about as fast on a CPU). Step times match the float64 reference simulator to
-about 1e-6 relative on programs of thousands of ops; rounding grows with a
+about as fast on a CPU, and so are the op features, hardware numbers and
+period weights it reads: a float64 sweep of random small spaces matches the
+float64 reference simulator within 4e-14, 400 rows). Float32 step times
+match it to about 1e-6 relative on programs of thousands of ops; rounding grows with a
 program's length (a 400k-op GPT-3 175B pipeline run at full length in
 float32 was off by up to 1.5e-3). Steady programs keep it short, but their
 period's clock shift, a difference of two rounded clocks, is multiplied by

@@ -377,6 +377,28 @@ def test_a_sweep_under_x64_compiles_its_kernel_for_x64(monkeypatch):
     )
 
 
+def test_a_float64_sweep_is_float64_from_its_inputs_on(swept, monkeypatch):
+    """Under x64 the stacked features, hardware and period weights are float64 too,
+    on the host and in the compiled kernel: the sweep is the float64 reference's
+    to 1e-9 (stored in float32 and upcast, a 5 us launch overhead alone put
+    step times 2.5e-8 off)."""
+    configs, _ = swept
+    valid = [c for c in configs if c.valid]
+    picked = [valid[i] for i in np.random.default_rng(1).choice(len(valid), 12, replace=False)]
+    reference = [reference_simulate(*build_function(c)).step_time for c in picked]
+    for compiled in (False, True):
+        if compiled:
+            monkeypatch.setattr(evaluate_module, "_HOST_CALL_SECONDS", 0)  # compile, however small
+        with jax.enable_x64(True):
+            table = evaluate(picked, progress=False)
+        simulated = table["status"] != "invalid"
+        assert simulated.sum() >= 8
+        np.testing.assert_allclose(
+            table["step_time_s"][simulated], np.asarray(reference)[simulated], rtol=1e-9
+        )
+    assert any(key[0][1] for key in evaluate_module._COMPILED)  # a float64 kernel ran
+
+
 def test_sweeps_keep_full_collections_off_older_objects_and_restore_the_callers_gc(monkeypatch):
     seen = []
     prepare = evaluate_module.FastEngine.prepare
