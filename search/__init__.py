@@ -5,7 +5,7 @@ table = evaluate(StrategySpace(model="gpt2-xl", world_sizes=16, global_batch_siz
 print(table.top_k(5).format())
 """
 
-from search.evaluate import build_function, evaluate
+from search.evaluate import PRECISIONS, build_function, evaluate
 from search.results import COLUMNS, STATUS_INVALID, STATUS_OK, STATUS_OOM, ResultTable
 from search.single import SingleResult, chrome_trace, make_config, simulate_config, write_chrome_trace
 from search.space import (
@@ -21,6 +21,7 @@ from search.space import (
 
 __all__ = [
     "COLUMNS",
+    "PRECISIONS",
     "RECOMPUTE",
     "SCHEDULES",
     "STATUS_INVALID",

@@ -12,7 +12,7 @@ optimizer, hardware, microbatch sizes) with
 parallelism. Building a key costs milliseconds.
 
 How close it is: the same numbers as the exact engine (tests/test_search_fast.py
-checks step time to float32 precision and peak memory to 1e-9 against the
+checks step time and peak memory to 1e-9 against the
 reference simulator on the fine programs). The coarse ops fuse each step's
 fine ops on the reference hardware (exact there: see
 :mod:`distir_jax.transforms.coarse_fuse`), the issue order is the pipeline

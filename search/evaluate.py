@@ -37,18 +37,19 @@ Pipeline (one direction):
    ``"configs"`` axis; ``shard_map`` runs the kernel on each device's slice,
    with no communication).
 
-Precision: the kernel runs in float32 (under ``jax.enable_x64``, float64,
-about as fast on a CPU, and so are the op features, hardware numbers and
-period weights it reads: a float64 sweep of random small spaces matches the
-float64 reference simulator within 4e-14, 400 rows). Float32 step times
-match it to about 1e-6 relative on programs of thousands of ops; rounding grows with a
-program's length (a 400k-op GPT-3 175B pipeline run at full length in
-float32 was off by up to 1.5e-3). Steady programs keep it short, but their
-period's clock shift, a difference of two rounded clocks, is multiplied by
-the periods it stands for: on every 8th valid row of GPT-3 175B's space on
-64 GPUs (1,407), float32 step times are within 1.0e-4 of float64's (315 rows
-above 1e-5, the five farthest all steady); on the CLI's default GPT-3 XL
-sweep within 7.4e-6. Peak memory
+Precision: float64 by default (``precision``): the timeline, the op
+features, hardware numbers and period weights it reads, whatever the
+caller's ``jax_enable_x64``. A sweep then equals the float64 reference
+simulator to rounding (random small spaces: within 4e-14, 400 rows), at
+about float32's speed on a CPU. In float32 (for TPUs, which have no fast
+float64, or half the kernel's memory) step times match it to about 1e-6 on
+programs of thousands of ops; rounding grows with a program's length (a
+400k-op GPT-3 175B pipeline run at full length was off by up to 1.5e-3).
+Steady programs keep it short, but their period's clock shift, a difference
+of two rounded clocks, is multiplied by the periods it stands for: on every
+8th valid row of GPT-3 175B's space on 64 GPUs (1,407), float32 step times
+are within 1.0e-4 of float64's (316 rows above 1e-5, the five farthest all
+steady); on the CLI's default GPT-3 XL sweep within 7.4e-6. Peak memory
 comes from lowering, in float64, and is compared with the preset's capacity
 in float64.
 
@@ -136,6 +137,8 @@ _SECONDS_PER_COMPILE = 1.0
 _HOST_CALL_SECONDS = 1.0
 _HOST_SECONDS_PER_STEP = 3e-5
 _HOST_SECONDS_PER_OP_ROW = 3e-7
+# The kernel's float types a sweep may ask for (see evaluate's ``precision``).
+PRECISIONS = ("float64", "float32")
 # Ops per kernel invocation: a call runs its rows' ops a slice at a time, carrying
 # the timeline, so its compiled kernel does not depend on the programs' lengths.
 _OP_CHUNK = 512
@@ -163,6 +166,7 @@ def evaluate(
     process_count: int | None = None,
     checkpoint_seconds: float = 60.0,
     engine: str = "fast",
+    precision: str = "float64",
 ) -> ResultTable:
     """Simulates every configuration of a space (or a list of rows) in batched kernel calls.
 
@@ -191,12 +195,48 @@ def evaluate(
         for rows it does not model; ``"exact"`` builds every structural key's
         program with the transforms. The table's ``engine`` column says which
         one ran.
+      precision: the kernel's float type, ``"float64"`` (default: step times
+        equal the float64 reference simulator's to ~1e-14, at about the speed
+        of float32 on a CPU) or ``"float32"`` (rounding grows with a
+        program's length, to ~1e-4 on GPT-3 175B's steady pipelines; for TPUs,
+        which have no fast float64, or to halve the kernel's memory).
     Returns:
       A :class:`ResultTable`, one row per configuration, in enumeration order
       (rows read from ``results_path`` that are not in the space come last).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    # The caller's jax_enable_x64 is left as it was: this sweep's jax work (and the
+    # background compiles it starts, see _target) sees only its own.
+    with jax.enable_x64(precision == "float64"):
+        return _evaluate(
+            space_or_configs,
+            results_path,
+            max_configs_per_call,
+            max_bytes,
+            progress,
+            shard,
+            process_index,
+            process_count,
+            checkpoint_seconds,
+            engine,
+        )
+
+
+def _evaluate(
+    space_or_configs,
+    results_path,
+    max_configs_per_call,
+    max_bytes,
+    progress,
+    shard,
+    process_index,
+    process_count,
+    checkpoint_seconds,
+    engine,
+) -> ResultTable:
     configs = as_configs(space_or_configs)
     existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
     done_ids = set(existing["config_id"].tolist()) if existing is not None else set()

@@ -6,12 +6,13 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 
 from distir_jax.ir import Function
 from distir_jax.lower import lower
 from search._programs import compact, stack_rows
-from search.evaluate import _row, simulate_on_host
+from search.evaluate import PRECISIONS, _row, simulate_on_host
 from search.space import Config
 
 
@@ -42,14 +43,24 @@ class SingleResult:
     op_streams: np.ndarray
 
 
-def simulate_config(config: Config, *, representative_only: bool = True) -> SingleResult:
-    """Builds, lowers and simulates one valid configuration, recording every op.
+def simulate_config(
+    config: Config, *, representative_only: bool = True, precision: str = "float64"
+) -> SingleResult:
+    """Builds, lowers and simulates one valid configuration, recording every op
+    (``precision``: as :func:`~search.evaluate.evaluate` takes it).
 
     Raises:
       ValueError: when the configuration is invalid (its reason) or cannot be built.
     """
     if not config.valid:
         raise ValueError(f"invalid configuration: {config.reason}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    with jax.enable_x64(precision == "float64"):
+        return _simulate_config(config, representative_only)
+
+
+def _simulate_config(config: Config, representative_only: bool) -> SingleResult:
     from search._transform import build_function
 
     fn = build_function(config, config.global_batch_size, representative_only=representative_only)

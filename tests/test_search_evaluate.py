@@ -65,21 +65,26 @@ def test_one_row_per_configuration_in_order(swept):
 
 
 def test_sweep_matches_the_reference_simulator(swept):
+    """200 random rows: the default (float64) sweep to 1e-9, and a float32 sweep of
+    the same rows to 1e-5, against the reference simulator (float64) run alone."""
     configs, table = swept
     simulated = np.flatnonzero(table["status"] != "invalid")
-    rng = np.random.default_rng(0)
     assert len(simulated) >= 200
-    for i in rng.choice(simulated, size=200, replace=False):
+    picked = np.random.default_rng(0).choice(simulated, size=200, replace=False)
+    narrow = evaluate([configs[i] for i in picked], progress=False, engine="exact", precision="float32")
+    for j, i in enumerate(picked):
         fn, topology = build_function(configs[i])
         reference = reference_simulate(fn, topology)
         peak = max(reference.peak_memory.values())
-        np.testing.assert_allclose(
-            table["step_time_s"][i], reference.step_time, rtol=1e-5, err_msg=str(configs[i])
-        )
-        np.testing.assert_allclose(table["peak_memory_bytes"][i], peak, rtol=1e-12, err_msg=str(configs[i]))
-        assert table["throughput_samples_per_s"][i] == pytest.approx(
-            configs[i].global_batch_size / reference.step_time, rel=1e-5
-        )
+        for got, rtol in ((table, 1e-9), (narrow.take([j]), 1e-5)):
+            k = i if got is table else 0
+            np.testing.assert_allclose(
+                got["step_time_s"][k], reference.step_time, rtol=rtol, err_msg=str(configs[i])
+            )
+            np.testing.assert_allclose(got["peak_memory_bytes"][k], peak, rtol=1e-12, err_msg=str(configs[i]))
+            assert got["throughput_samples_per_s"][k] == pytest.approx(
+                configs[i].global_batch_size / reference.step_time, rel=rtol
+            )
 
 
 def test_breakdown_adds_up_to_the_step_time_with_one_stream(swept):
@@ -362,26 +367,35 @@ def test_compiled_kernels_are_kept_apart_by_float_width():
         assert evaluate_module._target(devices) != narrow  # a float32 kernel is not reused under x64
 
 
-def test_a_sweep_under_x64_compiles_its_kernel_for_x64(monkeypatch):
-    # Kernels compile in a background thread, which a `with jax.enable_x64()` does not reach.
+@pytest.mark.parametrize("callers_x64", [False, True])
+def test_a_sweep_compiles_its_kernel_in_its_own_precision(callers_x64, monkeypatch):
+    # Kernels compile in a background thread, which a `with jax.enable_x64()` does not
+    # reach; and the caller's setting is neither read nor changed.
     space = StrategySpace(model="mlp-xs", world_sizes=(2,), global_batch_sizes=(16,), microbatches=(2,))
     monkeypatch.setattr(evaluate_module, "_HOST_CALL_SECONDS", 0)  # compile, however small the sweep
-    narrow = evaluate(space, progress=False)
-    with jax.enable_x64(True):
-        wide = evaluate(space, progress=False)
+    monkeypatch.setattr(evaluate_module, "_COMPILED", {})  # this test's kernels only
+    with jax.enable_x64(callers_x64):
+        narrow = evaluate(space, progress=False, precision="float32")
+        wide = evaluate(space, progress=False)  # float64
+        assert bool(jax.config.jax_enable_x64) == callers_x64
     assert narrow["config_id"].tolist() == wide["config_id"].tolist()
     assert narrow["step_time_s"] == pytest.approx(wide["step_time_s"], rel=1e-5)
-    keys = [key for key in evaluate_module._COMPILED if key[0][1]]
-    assert keys and all(
-        evaluate_module._COMPILED[k].result().out_info.clock.dtype == np.float64 for k in keys
-    )
+    assert narrow["step_time_s"].tolist() != wide["step_time_s"].tolist()  # not the same floats
+    compiled = evaluate_module._COMPILED
+    dtypes = {(key[0][1], compiled[key].result().out_info.clock.dtype) for key in compiled}
+    assert dtypes == {(False, np.dtype(np.float32)), (True, np.dtype(np.float64))}
+
+
+def test_an_unknown_precision_is_one_error():
+    with pytest.raises(ValueError, match=r"precision must be one of \('float64', 'float32'\), got 'half'"):
+        evaluate(MLP_SPACE, progress=False, precision="half")
 
 
 def test_a_float64_sweep_is_float64_from_its_inputs_on(swept, monkeypatch):
-    """Under x64 the stacked features, hardware and period weights are float64 too,
-    on the host and in the compiled kernel: the sweep is the float64 reference's
-    to 1e-9 (stored in float32 and upcast, a 5 us launch overhead alone put
-    step times 2.5e-8 off)."""
+    """In float64 (the default) the stacked features, hardware and period weights are
+    float64 too, on the host and in the compiled kernel: the sweep is the float64
+    reference's to 1e-9 (stored in float32 and upcast, a 5 us launch overhead
+    alone put step times 2.5e-8 off)."""
     configs, _ = swept
     valid = [c for c in configs if c.valid]
     picked = [valid[i] for i in np.random.default_rng(1).choice(len(valid), 12, replace=False)]
@@ -389,8 +403,7 @@ def test_a_float64_sweep_is_float64_from_its_inputs_on(swept, monkeypatch):
     for compiled in (False, True):
         if compiled:
             monkeypatch.setattr(evaluate_module, "_HOST_CALL_SECONDS", 0)  # compile, however small
-        with jax.enable_x64(True):
-            table = evaluate(picked, progress=False)
+        table = evaluate(picked, progress=False)
         simulated = table["status"] != "invalid"
         assert simulated.sum() >= 8
         np.testing.assert_allclose(

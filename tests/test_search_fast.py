@@ -59,7 +59,7 @@ def test_fast_rows_match_the_reference_simulator_on_fine_programs(swept):
         fn, topology = build_function(configs[i])  # what the exact engine simulates
         reference = reference_simulate(fn, topology)
         np.testing.assert_allclose(
-            table["step_time_s"][i], reference.step_time, rtol=1e-5, err_msg=str(configs[i])
+            table["step_time_s"][i], reference.step_time, rtol=1e-9, err_msg=str(configs[i])
         )
         np.testing.assert_allclose(
             table["peak_memory_bytes"][i],
@@ -99,12 +99,12 @@ def test_long_pipelines_run_short_with_the_reference_simulators_results(steady_e
         fn, topology = build_function(config)
         reference = reference_simulate(fn, topology)
         np.testing.assert_allclose(
-            fast["step_time_s"][i], reference.step_time, rtol=1e-5, err_msg=str(config)
+            fast["step_time_s"][i], reference.step_time, rtol=1e-9, err_msg=str(config)
         )
         peak = max(reference.peak_memory.values())
         np.testing.assert_allclose(fast["peak_memory_bytes"][i], peak, rtol=1e-9, err_msg=str(config))
     for name in ("compute_time_s", "communication_time_s", "bubble_time_s"):
-        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-4, atol=1e-9, err_msg=name)
+        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-9, atol=1e-15, err_msg=name)
     assert (fast["simulated_ops"] * 2 < exact["simulated_ops"]).all()
 
 
@@ -136,7 +136,7 @@ def test_rows_whose_period_is_not_certified_run_their_long_programs(monkeypatch,
     # Each one tried as a longer short program, then run at its full length.
     assert len(retried) == len(configs) and len(long) == len(configs)
     assert set(got["engine"].tolist()) == {"fast"}
-    np.testing.assert_allclose(got["step_time_s"], want["step_time_s"], rtol=1e-5)
+    np.testing.assert_allclose(got["step_time_s"], want["step_time_s"], rtol=1e-9)
     np.testing.assert_allclose(got["peak_memory_bytes"], want["peak_memory_bytes"], rtol=1e-9)
     assert got["status"].tolist() == want["status"].tolist()
 
@@ -147,10 +147,10 @@ def test_fast_and_exact_tables_agree(swept):
     assert fast["config_id"].tolist() == exact["config_id"].tolist()
     assert fast["status"].tolist() == exact["status"].tolist()
     assert set(exact["engine"][exact["status"] != "invalid"].tolist()) == {"exact"}
-    np.testing.assert_allclose(fast["step_time_s"], exact["step_time_s"], rtol=1e-5)
+    np.testing.assert_allclose(fast["step_time_s"], exact["step_time_s"], rtol=1e-9)
     np.testing.assert_allclose(fast["peak_memory_bytes"], exact["peak_memory_bytes"], rtol=1e-9)
     for name in ("compute_time_s", "communication_time_s", "bubble_time_s"):
-        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-4, atol=1e-9, err_msg=name)
+        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-9, atol=1e-15, err_msg=name)
     # The fast programs are much smaller: one op per pipeline step.
     used = fast["engine"] == "fast"
     assert fast["simulated_ops"][used].sum() * 3 < exact["simulated_ops"][used].sum()
@@ -197,10 +197,10 @@ def _assert_same_as_exact(configs):
     exact = evaluate(configs, progress=False, engine="exact")
     assert set(fast["engine"].tolist()) == {"fast"}
     assert fast["status"].tolist() == exact["status"].tolist()
-    np.testing.assert_allclose(fast["step_time_s"], exact["step_time_s"], rtol=1e-5)
+    np.testing.assert_allclose(fast["step_time_s"], exact["step_time_s"], rtol=1e-9)
     np.testing.assert_allclose(fast["peak_memory_bytes"], exact["peak_memory_bytes"], rtol=1e-9)
     for name in ("compute_time_s", "communication_time_s", "bubble_time_s"):
-        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-4, atol=1e-9, err_msg=name)
+        np.testing.assert_allclose(fast[name], exact[name], rtol=1e-9, atol=1e-15, err_msg=name)
     return fast
 
 
