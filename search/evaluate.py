@@ -213,20 +213,21 @@ def evaluate(
     with jax.enable_x64(precision == "float64"):
         return _evaluate(
             space_or_configs,
-            results_path,
-            max_configs_per_call,
-            max_bytes,
-            progress,
-            shard,
-            process_index,
-            process_count,
-            checkpoint_seconds,
-            engine,
+            results_path=results_path,
+            max_configs_per_call=max_configs_per_call,
+            max_bytes=max_bytes,
+            progress=progress,
+            shard=shard,
+            process_index=process_index,
+            process_count=process_count,
+            checkpoint_seconds=checkpoint_seconds,
+            engine=engine,
         )
 
 
 def _evaluate(
     space_or_configs,
+    *,
     results_path,
     max_configs_per_call,
     max_bytes,
@@ -237,6 +238,7 @@ def _evaluate(
     checkpoint_seconds,
     engine,
 ) -> ResultTable:
+    """:func:`evaluate`'s work, inside the ``jax.enable_x64`` setting of its precision."""
     configs = as_configs(space_or_configs)
     existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
     done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
