@@ -199,7 +199,8 @@ def evaluate(
         equal the float64 reference simulator's to ~1e-14, at about the speed
         of float32 on a CPU) or ``"float32"`` (rounding grows with a
         program's length, to ~1e-4 on GPT-3 175B's steady pipelines; for TPUs,
-        which have no fast float64, or to halve the kernel's memory).
+        which have no float64: a float64 call compiled for one raises, or to
+        halve the kernel's memory).
     Returns:
       A :class:`ResultTable`, one row per configuration, in enumeration order
       (rows read from ``results_path`` that are not in the space come last).
@@ -742,6 +743,11 @@ def _compiled_call(capacity: Capacity, num_rows: int, devices: list) -> _Call:
     """The compiled kernel call for ``num_rows`` rows of ``capacity``, started if new.
     The kernel runs ``_OP_CHUNK`` ops at a time, costed on the host, so one
     compiled call serves every op count, steady programs or not."""
+    if jax.config.jax_enable_x64 and any(getattr(d, "platform", "") == "tpu" for d in devices):
+        raise ValueError(
+            "precision='float64' needs float64 on the devices, and TPUs have none: "
+            "pass precision='float32' (distir-jax: --precision float32)"
+        )
     capacity = _kernel_capacity(capacity)
     key = (_target(devices), capacity, num_rows)
     future = _COMPILED.get(key)

@@ -386,6 +386,12 @@ def test_a_sweep_compiles_its_kernel_in_its_own_precision(callers_x64, monkeypat
     assert dtypes == {(False, np.dtype(np.float32)), (True, np.dtype(np.float64))}
 
 
+def test_float64_on_tpus_is_refused_with_what_to_do_instead():
+    tpu = type("FakeTpu", (), {"platform": "tpu"})()
+    with jax.enable_x64(True), pytest.raises(ValueError, match=r"TPUs have none: pass precision='float32'"):
+        evaluate_module._compiled_call(None, 8, [tpu])
+
+
 def test_an_unknown_precision_is_one_error():
     with pytest.raises(ValueError, match=r"precision must be one of \('float64', 'float32'\), got 'half'"):
         evaluate(MLP_SPACE, progress=False, precision="half")
