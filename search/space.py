@@ -409,6 +409,13 @@ def constraint_reason(config: Config) -> str:
             return f"MLP width {model.ffn_hidden} is not divisible by tensor degree {config.tensor}"
         if config.sequence_parallel and model.seq_len % config.tensor:
             return f"sequence length {model.seq_len} is not divisible by tensor degree {config.tensor}"
+    elif isinstance(model, MLPConfig) and config.sequence_parallel and config.microbatch_size % config.tensor:
+        # An MLP has no sequence axis: sequence parallelism splits each microbatch's
+        # rows over the tensor group (the transform's reduce-scatter would fail).
+        return (
+            f"sequence parallelism splits an MLP's microbatch rows over the tensor degree: "
+            f"microbatch size {config.microbatch_size} is not divisible by tensor degree {config.tensor}"
+        )
     return _transform_reason(config)
 
 

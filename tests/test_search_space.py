@@ -166,6 +166,20 @@ def test_an_unknown_hardware_name_is_one_error_naming_it_and_the_presets():
         StrategySpace(model="mlp-xs", hardware=("dgx-a100-80gb", "tpu-v9"))
 
 
+def test_sequence_parallel_mlp_rows_need_microbatches_the_tensor_group_can_split():
+    space = StrategySpace(
+        model="mlp-xs",
+        world_sizes=(4,),
+        global_batch_sizes=(8,),
+        tensor=(2,),
+        microbatches=(1, 8),
+        sequence_parallel=(True,),
+    )
+    rows = {(c.data, c.pipeline, c.microbatch_size): c for c in enumerate_configs(space)}
+    assert rows[(2, 1, 4)].valid and rows[(1, 2, 8)].valid
+    assert "microbatch size 1 is not divisible by tensor degree 2" in rows[(1, 2, 1)].reason
+
+
 def test_unknown_dtype_is_an_invalid_row_not_an_exception():
     (config,) = enumerate_configs(StrategySpace(model="mlp-xs", world_sizes=(1,), dtype="f8"))
     assert not config.valid and "dtype" in config.reason
