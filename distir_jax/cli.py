@@ -498,10 +498,9 @@ def _sweep(args) -> int:
     rate = f" in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s)"
     _report(table, args, _write_copies(table, output), rate)
     if parts > 1:
-        root, suffix = os.path.splitext(args.output)
         print(
             f"\nthe ranking above is this part's; once every part is done, join them with:\n"
-            f"  distir-jax merge {args.output} {root}.part-*-of-{parts}{suffix}"
+            f"  distir-jax merge {args.output} {_part_path(args.output, '*', parts)}"
         )
     return 0
 
@@ -604,8 +603,9 @@ def _sweep_order(paths: Sequence[str], lengths: Sequence[int]):
     return np.argsort(np.concatenate([np.arange(i, total, parts) for i in index]))
 
 
-def _part_path(path: str, part: int, parts: int) -> str:
-    """``results/sweep.csv`` as part ``part`` of ``parts``: ``results/sweep.part-2-of-4.csv``."""
+def _part_path(path: str, part: int | str, parts: int) -> str:
+    """``results/sweep.csv`` as part ``part`` of ``parts``: ``results/sweep.part-2-of-4.csv``
+    (``part="*"``: the shell pattern of them all); :data:`_PART_NAME` reads it back."""
     if parts == 1:
         return path
     root, suffix = os.path.splitext(path)

@@ -41,7 +41,7 @@ Precision: float64 by default (``precision``): the timeline, the op
 features, hardware numbers and period weights it reads, whatever the
 caller's ``jax_enable_x64``. A sweep then equals the float64 reference
 simulator to rounding (random small spaces: within 4e-14, 400 rows), at
-about float32's speed on a CPU. In float32 (for TPUs, which have no fast
+about float32's speed on a CPU. In float32 (for TPUs, which have no
 float64, or half the kernel's memory) step times match it to about 1e-6 on
 programs of thousands of ops; rounding grows with a program's length (a
 400k-op GPT-3 175B pipeline run at full length was off by up to 1.5e-3).
@@ -152,6 +152,14 @@ _CPU_ROWS_PER_CALL = 256
 _HELD_PER_CALL_BYTES = 2
 
 
+def in_precision(precision: str):
+    """The ``jax.enable_x64`` context of a sweep's ``precision`` (see :func:`evaluate`),
+    once checked: ``with in_precision(p):`` computes in it, then restores the caller's."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return jax.enable_x64(precision == "float64")
+
+
 # Full collections during a sweep skip the caller's long-lived objects (see _gc).
 @older_objects_frozen()
 def evaluate(
@@ -207,104 +215,74 @@ def evaluate(
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    # The caller's jax_enable_x64 is left as it was: this sweep's jax work (and the
-    # background compiles it starts, see _target) sees only its own.
-    with jax.enable_x64(precision == "float64"):
-        return _evaluate(
-            space_or_configs,
-            results_path=results_path,
-            max_configs_per_call=max_configs_per_call,
-            max_bytes=max_bytes,
-            progress=progress,
-            shard=shard,
-            process_index=process_index,
-            process_count=process_count,
-            checkpoint_seconds=checkpoint_seconds,
-            engine=engine,
-        )
+    # This sweep's jax work (and the background compiles it starts, see _target) in
+    # its own float type; the caller's jax_enable_x64 is left as it was.
+    with in_precision(precision):
+        configs = as_configs(space_or_configs)
+        existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
+        done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
+        index, count = _process_slice(process_index, process_count)
+        if not 0 <= index < count:
+            raise ValueError(f"process_index must be in [0, {count}), got {index}")
+        # The slice first, then what is done: a host resumed from its own results file
+        # (which holds its slice only) goes on with its slice, whatever the others did.
+        todo = [c for c in configs[index::count] if c.config_id not in done_ids]
 
+        rows: dict[str, dict] = {}
+        bar = progress_bar(len(todo), progress)
+        last_checkpoint = [time.perf_counter()]
 
-def _evaluate(
-    space_or_configs,
-    *,
-    results_path,
-    max_configs_per_call,
-    max_bytes,
-    progress,
-    shard,
-    process_index,
-    process_count,
-    checkpoint_seconds,
-    engine,
-) -> ResultTable:
-    """:func:`evaluate`'s work, inside the ``jax.enable_x64`` setting of its precision."""
-    configs = as_configs(space_or_configs)
-    existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
-    done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
-    index, count = _process_slice(process_index, process_count)
-    if not 0 <= index < count:
-        raise ValueError(f"process_index must be in [0, {count}), got {index}")
-    # The slice first, then what is done: a host resumed from its own results file
-    # (which holds its slice only) goes on with its slice, whatever the others did.
-    todo = [c for c in configs[index::count] if c.config_id not in done_ids]
+        def emit(new_rows):
+            for row in new_rows:
+                rows[row["config_id"]] = row
+            if results_path and time.perf_counter() - last_checkpoint[0] > checkpoint_seconds:
+                _write_atomic(_merge(configs, existing, rows), results_path)
+                last_checkpoint[0] = time.perf_counter()
 
-    rows: dict[str, dict] = {}
-    bar = progress_bar(len(todo), progress)
-    last_checkpoint = [time.perf_counter()]
-
-    def emit(new_rows):
-        for row in new_rows:
-            rows[row["config_id"]] = row
-        if results_path and time.perf_counter() - last_checkpoint[0] > checkpoint_seconds:
-            _write_atomic(_merge(configs, existing, rows), results_path)
-            last_checkpoint[0] = time.perf_counter()
-
-    invalid = [ResultTable.row_for(c, INVALID, c.reason, invalid_metrics()) for c in todo if not c.valid]
-    emit(invalid)
-    bar.update(len(invalid))
-    models: dict = {}  # single-device programs, shared by the keys of one model and batch set
-    valid = [c for c in todo if c.valid]
-    largest = max((c.world_size for c in valid), default=1)
-    batcher = _Batcher(max_configs_per_call, max_bytes, shard, emit, len(valid), largest)
-    fast_engine = FastEngine([c for c in valid if not fast_unsupported(c)]) if engine == "fast" else None
-    for group in _groups(valid):
-        rows_of_group = None
-        if fast_engine is not None and not fast_unsupported(group[0]):
-            rows_of_group = fast_engine.prepare(group)  # None: not expressible, run exact
-        fast = rows_of_group is not None
-        if not fast:
-            rows_of_group = _prepare_group(group, models)
-        for config, prepared, variant, reason in rows_of_group:
-            if reason:
-                emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
-            else:
-                batcher.add(config, prepared, variant, "fast" if fast else "exact")
-            # Progress counts configurations prepared (see the module docstring's "Time").
-            bar.update(1)
-    batcher.flush_all()
-    retries = 0
-    while batcher.redo:  # short steady programs whose period had not settled
-        redo, batcher.redo = batcher.redo, []
-        retries += 1
-        for group in _groups(redo):
-            # First a longer short program (the clocks may settle later), then the long one.
-            if retries == 1:
-                again = fast_engine.prepare(group, settle=1)
-            else:
-                again = fast_engine.prepare(group, steady=False)
-            for config, prepared, variant, reason in again:
+        invalid = [ResultTable.row_for(c, INVALID, c.reason, invalid_metrics()) for c in todo if not c.valid]
+        emit(invalid)
+        bar.update(len(invalid))
+        models: dict = {}  # single-device programs, shared by the keys of one model and batch set
+        valid = [c for c in todo if c.valid]
+        largest = max((c.world_size for c in valid), default=1)
+        batcher = _Batcher(max_configs_per_call, max_bytes, shard, emit, len(valid), largest)
+        fast_engine = FastEngine([c for c in valid if not fast_unsupported(c)]) if engine == "fast" else None
+        for group in _groups(valid):
+            rows_of_group = None
+            if fast_engine is not None and not fast_unsupported(group[0]):
+                rows_of_group = fast_engine.prepare(group)  # None: not expressible, run exact
+            fast = rows_of_group is not None
+            if not fast:
+                rows_of_group = _prepare_group(group, models)
+            for config, prepared, variant, reason in rows_of_group:
                 if reason:
                     emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
                 else:
-                    batcher.add(config, prepared, variant, "fast")
+                    batcher.add(config, prepared, variant, "fast" if fast else "exact")
+                # Progress counts configurations prepared (see the module docstring's "Time").
+                bar.update(1)
         batcher.flush_all()
-    bar.close()
-    table = _merge(configs, existing, rows)
-    if results_path:
-        _write_atomic(table, results_path)
-    return table
+        retries = 0
+        while batcher.redo:  # short steady programs whose period had not settled
+            redo, batcher.redo = batcher.redo, []
+            retries += 1
+            for group in _groups(redo):
+                # First a longer short program (the clocks may settle later), then the long one.
+                if retries == 1:
+                    again = fast_engine.prepare(group, settle=1)
+                else:
+                    again = fast_engine.prepare(group, steady=False)
+                for config, prepared, variant, reason in again:
+                    if reason:
+                        emit([ResultTable.row_for(config, INVALID, reason, invalid_metrics())])
+                    else:
+                        batcher.add(config, prepared, variant, "fast")
+            batcher.flush_all()
+        bar.close()
+        table = _merge(configs, existing, rows)
+        if results_path:
+            _write_atomic(table, results_path)
+        return table
 
 
 def _write_atomic(table: ResultTable, path) -> None:

@@ -6,13 +6,12 @@ import dataclasses
 import json
 import os
 
-import jax
 import numpy as np
 
 from distir_jax.ir import Function
 from distir_jax.lower import lower
 from search._programs import compact, stack_rows
-from search.evaluate import PRECISIONS, _row, simulate_on_host
+from search.evaluate import _row, in_precision, simulate_on_host
 from search.space import Config
 
 
@@ -54,35 +53,29 @@ def simulate_config(
     """
     if not config.valid:
         raise ValueError(f"invalid configuration: {config.reason}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    with jax.enable_x64(precision == "float64"):
-        return _simulate_config(config, representative_only)
+    with in_precision(precision):
+        from search._transform import build_function
 
-
-def _simulate_config(config: Config, representative_only: bool) -> SingleResult:
-    from search._transform import build_function
-
-    fn = build_function(config, config.global_batch_size, representative_only=representative_only)
-    topology = config.topology()
-    prepared = compact(lower(fn, topology), topology)
-    program, hardware = stack_rows([(prepared, 0)], prepared.capacity, 1)
-    # On the host: the compiled kernel's numbers bit for bit, without compiling it for one row.
-    out, (op_start, op_finish) = simulate_on_host(program, hardware)
-    row = _row(config, prepared, 0, {k: v[0] for k, v in out.items()}, "exact")  # the fine program
-    n = int(prepared.program.num_ops)
-    slots = np.asarray(prepared.program.slot_device)
-    return SingleResult(
-        row=row,
-        function=fn,
-        devices=prepared.devices,
-        peak_memory_bytes=prepared.peak_bytes[0],
-        simulated=np.isin(np.arange(len(prepared.devices)), slots[slots >= 0]),
-        op_start=np.asarray(op_start[0, :n], np.float64),
-        op_finish=np.asarray(op_finish[0, :n], np.float64),
-        op_devices=np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1),
-        op_streams=np.asarray([op.stream for op in fn.ops]),
-    )
+        fn = build_function(config, config.global_batch_size, representative_only=representative_only)
+        topology = config.topology()
+        prepared = compact(lower(fn, topology), topology)
+        program, hardware = stack_rows([(prepared, 0)], prepared.capacity, 1)
+        # On the host: the compiled kernel's numbers bit for bit, without compiling it for one row.
+        out, (op_start, op_finish) = simulate_on_host(program, hardware)
+        row = _row(config, prepared, 0, {k: v[0] for k, v in out.items()}, "exact")  # the fine program
+        n = int(prepared.program.num_ops)
+        slots = np.asarray(prepared.program.slot_device)
+        return SingleResult(
+            row=row,
+            function=fn,
+            devices=prepared.devices,
+            peak_memory_bytes=prepared.peak_bytes[0],
+            simulated=np.isin(np.arange(len(prepared.devices)), slots[slots >= 0]),
+            op_start=np.asarray(op_start[0, :n], np.float64),
+            op_finish=np.asarray(op_finish[0, :n], np.float64),
+            op_devices=np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1),
+            op_streams=np.asarray([op.stream for op in fn.ops]),
+        )
 
 
 def chrome_trace(result: SingleResult) -> dict:

@@ -161,9 +161,10 @@ class StrategySpace:
         # An unknown hardware name is a typo, not a strategy that does not fit: one
         # error, not a row per configuration. (A count a preset cannot build, or a
         # dtype it has no peak for, is a row's reason: other rows may have it.)
-        unknown = [h for h in self.hardware if h.partition(":")[0] not in preset_names()]
+        presets = preset_names()
+        unknown = [h for h in self.hardware if h.partition(":")[0] not in presets]
         if unknown:
-            raise ValueError(f"hardware: unknown preset(s) {unknown}; expected some of {preset_names()}")
+            raise ValueError(f"hardware: unknown preset(s) {unknown}; expected some of {presets}")
 
     def replace(self, **changes) -> StrategySpace:
         return dataclasses.replace(self, **changes)
