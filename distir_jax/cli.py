@@ -355,7 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
         "merge",
         help="join the results files of a sweep's parts and rank them",
         description="Join the results files of a sweep run in parts (sweep --parts / --distributed) "
-        "into one, then print the best strategies as sweep does.",
+        "into one, then print the best strategies as sweep does. Given every part (by their "
+        "names, *.part-I-of-N), the file is the one-process sweep's, row for row; a part not "
+        "given, or shorter than the others say it should be (an interrupted run), is named in a "
+        "warning.",
     )
     g.add_argument("output", help="the joined results file, .csv or .parquet")
     g.add_argument("inputs", nargs="+", metavar="part", help="the parts' results files")
@@ -515,11 +518,17 @@ def _merge(args) -> int:
             raise ValueError(f"no results file {path!r}")
         tables.append(ResultTable.read(path))
     table = _without_repeats(ResultTable.concat(tables), args.inputs, tables)
-    order = _sweep_order(args.inputs, [len(t) for t in tables])
+    lengths = [len(t) for t in tables]
+    order = _sweep_order(args.inputs, lengths)
     if order is not None and len(order) == len(table):  # every part of one sweep, no row twice
         table = table.take(order)  # the one-process sweep's order
     table.write(args.output)
-    _report(table, args, _write_copies(table, args.output), f" from {len(tables)} files")
+    # A part missing or cut short leaves its configurations out of the table: say so.
+    gaps = _incomplete_parts(args.inputs, lengths)
+    for gap in gaps:
+        print(f"distir-jax merge: warning: {gap}", file=sys.stderr)
+    how = f" from {len(tables)} files" + (" (incomplete: see the warnings)" if gaps else "")
+    _report(table, args, _write_copies(table, args.output), how)
     return 0
 
 
@@ -601,6 +610,42 @@ def _sweep_order(paths: Sequence[str], lengths: Sequence[int]):
     ):
         return None
     return np.argsort(np.concatenate([np.arange(i, total, parts) for i in index]))
+
+
+def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int]) -> list[str]:
+    """Why named parts of one sweep (``*.part-I-of-N``, :data:`_PART_NAME`) may
+    not hold all of its configurations: parts not given, and parts shorter than
+    a complete sweep's would be given the others. A complete sweep's part ``I``
+    has ``len(range(I, total, N))`` rows: no fewer than a later part's, at most
+    one fewer than any other's. (Parts all cut short alike look complete: only
+    the sweep itself knows its size.)"""
+    by_count: dict[int, dict[int, tuple[str, int]]] = {}  # N -> I -> (path, rows), a repeat once
+    for path, n in zip(paths, lengths, strict=True):
+        found = _PART_NAME.search(os.path.basename(str(path)))
+        if found:
+            by_count.setdefault(int(found[2]), {}).setdefault(int(found[1]), (str(path), n))
+    out = []
+    for parts, rows in sorted(by_count.items()):
+        missing = [i for i in range(parts) if i not in rows]
+        if missing:
+            whole = _whole_path(next(iter(rows.values()))[0])
+            names = ", ".join(_part_path(whole, i, parts) for i in missing)
+            out.append(f"{len(missing)} of {parts} parts not given ({names}): their rows are missing")
+        longest = max(n for _, n in rows.values())
+        for i, (path, n) in sorted(rows.items()):
+            expected = max([longest - 1] + [m for j, (_, m) in rows.items() if j > i])
+            if n < expected:
+                out.append(
+                    f"{path} has {n} row{'s' * (n != 1)} where a complete part {i} of {parts} has "
+                    f"at least {expected}: was it interrupted? finish it with its `distir-jax sweep` "
+                    "options and --resume"
+                )
+    return out
+
+
+def _whole_path(part_path: str) -> str:
+    """The results file a part's name was made from (the inverse of :func:`_part_path`)."""
+    return part_path[: _PART_NAME.search(part_path).start()] + os.path.splitext(part_path)[1]
 
 
 def _part_path(path: str, part: int | str, parts: int) -> str:

@@ -148,8 +148,31 @@ def test_a_sweep_in_parts_merges_into_the_whole_sweep(tmp_path, capsys):
     assert main(["merge", str(out), *map(str, parts[::-1]), "--top-k", "3"]) == 0
     # Every part, complete: the one-process sweep's file, row for row and byte for byte.
     assert out.read_bytes() == whole.read_bytes()
-    text = capsys.readouterr().out
-    assert "configurations from 3 files" in text and "top 3 by throughput" in text
+    captured = capsys.readouterr()
+    assert "configurations from 3 files" in captured.out and "top 3 by throughput" in captured.out
+    assert "incomplete" not in captured.out and captured.err == ""
+    # A part not given, or cut short (an interrupted run's checkpoint): merged, and said.
+    assert main(["merge", str(out), str(parts[0]), str(parts[2])]) == 0
+    captured = capsys.readouterr()
+    assert (
+        "(incomplete: see the warnings)" in captured.out
+        and len(ResultTable.read(out)) == sum(sizes) - sizes[1]
+    )
+    assert (
+        captured.err.strip()
+        == f"distir-jax merge: warning: 1 of 3 parts not given ({parts[1]}): their rows are missing"
+    )
+    cut = tmp_path / "cut" / parts[1].name
+    cut.parent.mkdir()
+    ResultTable.read(parts[1]).take(range(sizes[1] - 2)).write(cut)
+    assert main(["merge", str(out), str(parts[0]), str(cut), str(parts[2])]) == 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "warning" in err and str(cut) in err
+    assert (
+        f"has {sizes[1] - 2} row" in err
+        and f"where a complete part 1 of 3 has at least {sizes[2]}:" in err
+        and "--resume" in err
+    )
     # Renamed parts (or a part missing) keep the files' order: the same rows.
     renamed = [tmp_path / f"p{i}.csv" for i in range(3)]
     for part, copy in zip(parts, renamed, strict=True):
