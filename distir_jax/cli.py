@@ -484,6 +484,7 @@ def _sweep(args) -> int:
         print(_exact_rows_notice(mine), end="", flush=True)
     if not args.resume and os.path.exists(output):
         os.remove(output)  # a fresh sweep; evaluate would otherwise resume from it
+    done = _config_ids(output) if os.path.exists(output) else set()
     # Always through results_path: evaluate checkpoints there, so an interrupted
     # sweep can go on with --resume.
     table = evaluate(
@@ -498,8 +499,16 @@ def _sweep(args) -> int:
         precision=args.precision,
     )
     elapsed = time.perf_counter() - start
-    rate = f" in {elapsed:.1f} s ({len(table) / max(elapsed, 1e-9):.1f}/s)"
-    _report(table, args, _write_copies(table, output), rate)
+    # The rate counts what this run simulated; a resumed file's rows are counted apart.
+    ids = {c.config_id for c in mine}
+    ran = len(ids - done)
+    how = f" in {elapsed:.1f} s ({ran / max(elapsed, 1e-9):.1f}/s)"
+    if done:
+        outside = len(done - {c.config_id for c in configs})
+        how = f", {ran} simulated{how}, {len(done & ids)} resumed from {output}" + (
+            f", {outside} kept from it that are not in this sweep's space" if outside else ""
+        )
+    _report(table, args, _write_copies(table, output), how)
     if parts > 1:
         print(
             f"\nthe ranking above is this part's; once every part is done, join them with:\n"
@@ -553,6 +562,12 @@ def _without_repeats(table, paths: Sequence[str], tables: Sequence):
                 f"{paths[source[i]]!r}: are they parts of one sweep?"
             )
     return table.take(keep)
+
+
+def _config_ids(path: str) -> set[str]:
+    from search import ResultTable
+
+    return set(ResultTable.read(path)["config_id"].tolist())
 
 
 def _check_output(path: str, what: str) -> None:

@@ -165,6 +165,17 @@ class StrategySpace:
         unknown = [h for h in self.hardware if h.partition(":")[0] not in presets]
         if unknown:
             raise ValueError(f"hardware: unknown preset(s) {unknown}; expected some of {presets}")
+        # Degrees restrict the factorisations; restricted to none, the sweep would be
+        # empty with no row to say why. (A world size some other one leaves rows for
+        # is a restriction, as asked: world sizes 1 and 8 with tensor 2.)
+        if not any(factorisations(w, self.data, self.tensor, self.pipeline) for w in self.world_sizes):
+            limits = {"data": self.data, "tensor": self.tensor, "pipeline": self.pipeline}
+            allowed = ", ".join(f"{name} in {list(v)}" for name, v in limits.items() if v is not None)
+            raise ValueError(
+                f"no data x tensor x pipeline factorisation of world size(s) {list(self.world_sizes)} "
+                f"has {allowed}: the space is empty (each degree must divide the world size, "
+                "and their product equal it)"
+            )
 
     def replace(self, **changes) -> StrategySpace:
         return dataclasses.replace(self, **changes)

@@ -118,11 +118,21 @@ def test_sweep_resume_keeps_existing_rows(tmp_path, capsys):
     out = tmp_path / "r.csv"
     assert main(SMALL_SWEEP + ["--batch-sizes", "16", "--output", str(out)]) == 0
     first = ResultTable.read(out)
+    capsys.readouterr()
     assert main(SMALL_SWEEP + ["--output", str(out), "--resume", "--memory-limit", "1000"]) == 0
     both = ResultTable.read(out)
-    assert len(both) == 2 * len(first)
+    n = len(first)
+    assert len(both) == 2 * n
     assert set(first["config_id"].tolist()) < set(both["config_id"].tolist())
-    assert "under 1000 GB" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    # The rate counts the rows this run simulated; the resumed ones are counted apart.
+    assert "under 1000 GB" in text and f"{2 * n} configurations, {n} simulated in " in text
+    assert f", {n} resumed from {out}:" in text
+    # Rows of another space stay in the file (last), and the summary says how many.
+    assert main(SMALL_SWEEP + ["--batch-sizes", "32", "--output", str(out), "--resume"]) == 0
+    text = capsys.readouterr().out
+    assert f"{2 * n} configurations, 0 simulated in " in text
+    assert f", {n} resumed from {out}, {n} kept from it that are not in this sweep's space:" in text
 
 
 # The command line in a process of its own (the console script may not be on PATH).
@@ -280,6 +290,7 @@ def test_distributed_without_a_cluster_says_what_to_do_instead():
         ["sweep", "--output", "results.txt"],
         ["sweep", "--engine", "approximate"],
         ["sweep", "--hardware", "dgx-a100-80gb,tpu-v9"],
+        ["sweep", "--world-sizes", "8", "--tensor", "3"],  # no factorisation: nothing to sweep
         ["simulate", "--hardware", "tpu-v9"],
         ["sweep", "--no-such-option"],
         ["simulate", "--data", "0"],

@@ -166,6 +166,16 @@ def test_an_unknown_hardware_name_is_one_error_naming_it_and_the_presets():
         StrategySpace(model="mlp-xs", hardware=("dgx-a100-80gb", "tpu-v9"))
 
 
+def test_degrees_that_leave_no_factorisation_are_one_error_and_others_restrict():
+    with pytest.raises(ValueError, match=r"world size\(s\) \[8\] has tensor in \[3\]: the space is empty"):
+        StrategySpace(world_sizes=(8,), tensor=(3,))
+    with pytest.raises(ValueError, match=r"\[4, 8\] has data in \[4\], tensor in \[4\]"):
+        StrategySpace(world_sizes=(4, 8), data=(4,), tensor=(4,))
+    # World size 1 has no tensor degree 2; world size 8 has: a restriction, rows for 8 only.
+    space = StrategySpace(world_sizes=(1, 8), tensor=(2,))
+    assert {(c.world_size, c.tensor) for c in enumerate_configs(space)} == {(8, 2)}
+
+
 def test_sequence_parallel_mlp_rows_need_microbatches_the_tensor_group_can_split():
     space = StrategySpace(
         model="mlp-xs",
