@@ -145,6 +145,11 @@ def make_config(
     """
     from search.space import StrategySpace, enumerate_configs
 
+    if world_size is not None and data * tensor * pipeline != world_size:
+        raise ValueError(
+            f"data x tensor x pipeline = {data} x {tensor} x {pipeline} = {data * tensor * pipeline} "
+            f"does not equal world size {world_size}"
+        )
     space = StrategySpace(
         model=model,
         world_sizes=(world_size or data * tensor * pipeline,),
@@ -165,10 +170,4 @@ def make_config(
         hardware=(hardware,),
         optimizer=(optimizer,),
     )
-    configs = list(enumerate_configs(space))
-    if not configs:
-        raise ValueError(
-            f"data x tensor x pipeline = {data} x {tensor} x {pipeline} = {data * tensor * pipeline} "
-            f"does not equal world size {world_size}"
-        )
-    return configs[0]
+    return next(enumerate_configs(space))  # degrees whose product is the world size: one row

@@ -214,3 +214,14 @@ def test_options_that_need_a_degree_collapse_without_it():
     rows = collections.Counter((c.data, c.tensor, c.pipeline) for c in enumerate_configs(space))
     # d = 2: zero x overlap; t = 2: sequence parallel or not; the pipeline: neither.
     assert rows == {(2, 1, 1): 4, (1, 2, 1): 2, (1, 1, 2): 1}
+
+
+def test_one_config_from_knobs_says_when_its_degrees_do_not_make_the_world_size():
+    from search.single import make_config
+
+    with pytest.raises(
+        ValueError, match=r"data x tensor x pipeline = 2 x 1 x 1 = 2 does not equal world size 4"
+    ):
+        make_config("mlp-xs", world_size=4, data=2)
+    config = make_config("mlp-xs", world_size=4, data=2, tensor=2)
+    assert (config.world_size, config.data, config.tensor, config.pipeline) == (4, 2, 2, 1) and config.valid
