@@ -44,7 +44,8 @@ with interleaved stages run their long programs (no steady short one).
 
 Rows the fast engine does not model (other models, sequence parallelism, an
 MLP of one layer pair or of an odd number of layers under tensor
-parallelism, an MLP of one layer) fall back to the exact engine; the
+parallelism, an MLP of one layer, ZeRO shards padded because the data degree
+does not divide a weight's rows) fall back to the exact engine; the
 ``engine`` column says which one ran.
 """
 
@@ -62,7 +63,7 @@ from distir_jax.transforms.coarse import (
     transform_step_costs,
 )
 from distir_jax.transforms.coarse_steady import short_candidates
-from distir_jax.transforms.data_parallel import zero_shard_problem
+from distir_jax.transforms.data_parallel import zero_padding, zero_shard_problem
 from search._programs import Prepared, compact
 from search._transform import parallel_config
 from search.space import HARDWARE_DTYPE, Config, _topology
@@ -141,7 +142,7 @@ class FastEngine:
                 continue
             try:
                 prepared[c.preset] = self._prepare(c, group, steady, settle)
-            except SplitBlockError:
+            except (SplitBlockError, _PaddedShards):
                 return None
             except ValueError as err:
                 prepared[c.preset] = str(err).splitlines()[0]
@@ -184,6 +185,8 @@ class FastEngine:
                     problem = zero_shard_problem(name, weight_type, config.data)
                     if problem:
                         raise ValueError(problem)
+                    if zero_padding(weight_type, config.data):
+                        raise _PaddedShards(name)
         topology = config.topology()
         # The program carries only this key's own microbatch sizes as variants.
         used = sorted({sizes.index(c.microbatch_size) for c in group})
@@ -208,6 +211,11 @@ class FastEngine:
             short_microbatches=short_candidates(pc.schedule, pc.pipeline)[settle:] if settle else None,
         )
         return compact(program, topology, period), tuple(sizes[i] for i in used)
+
+
+class _PaddedShards(Exception):
+    """ZeRO pads a weight's shards (its rows are not a multiple of the data degree):
+    coarse programs do not model the padding yet, so the exact engine runs the key."""
 
 
 def _measure_key(config: Config) -> tuple:

@@ -272,12 +272,56 @@ def test_batch_not_divisible():
         data_parallel(fn, 3)
 
 
-def test_zero_with_indivisible_weight():
-    fn, _, _ = case("gpt", "adam")  # vocab 11: the token table has 11 rows
-    with pytest.raises(
-        ValueError, match=r"weight %l0\.embed\.tokens has dim 0 of size 11, which degree=2 must"
-    ):
-        data_parallel(fn, 2, zero=True)
+def test_zero_refuses_a_scalar_weight():
+    from distir_jax.transforms.data_parallel import zero_shard_problem
+
+    fn, _, _ = case("gpt", "adam")
+    scalar = fn.inputs[0].type.with_shape(())
+    assert "is a scalar" in zero_shard_problem("w", scalar, 2)
+    assert zero_shard_problem("w", scalar.with_shape((11, 8)), 2) == ""  # padded instead
+
+
+# --------------------------------------------------------------------------- #
+# ZeRO on weights whose rows the degree does not divide: padded shards.
+
+
+@pytest.mark.parametrize("variant", ["zero", "zero_overlap"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("model, degree", [("gpt", 2), ("gpt", 3), ("mlp", 3), ("gpt", 6)])
+def test_zero_pads_the_shards_of_weights_the_degree_does_not_divide(model, degree, optimizer, variant):
+    # GPT's token table has 11 rows (padded to 12 for 2, 3 and 6 replicas); the MLP's
+    # 8-wide layers have 8 rows (9 for 3 replicas).
+    fn = models.build_training_step(CONFIGS[model], 12, optimizer=optimizer, lr=0.1)
+    inputs = random_inputs(fn)
+    dist = data_parallel(fn, degree, **VARIANTS[variant])
+    new = dist.function
+    padded = [op for op in collectives(new, "ReduceScatter") if op.attr("pad")]
+    trimmed = [op for op in collectives(new, "AllGather") if op.attr("size") is not None]
+    assert padded and len(trimmed) == len(padded)  # one collective over the replicas each
+    if model == "gpt":
+        tokens = [
+            op
+            for op in new.ops
+            if op.op_type == {"sgd": "SGD", "adam": "Adam"}[optimizer]
+            and op.attr("weight") == "l0.embed.tokens"
+        ]
+        assert [tuple(op.inputs[0].type.shape) for op in tokens] == [(-(-11 // degree), 8)] * degree
+    # The padded rows' gradient, state and update stay zero: the original step, rebuilt.
+    assert_same_outputs(rebuilt_outputs(dist, inputs), execute(fn, inputs))
+    text = print_function(new)
+    assert print_function(parse_function(text)) == text
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_padded_zero_representative_replica_simulates_like_the_full_program(overlap):
+    fn = models.build_training_step(GPT, 12, optimizer="adam")
+    topology = Topology.uniform(3, link_latency=1e-6)
+    full = reference_simulate(data_parallel(fn, 3, zero=True, overlap=overlap).function, topology)
+    one = reference_simulate(
+        data_parallel(fn, 3, zero=True, overlap=overlap, representative_only=True).function, topology
+    )
+    assert one.step_time == pytest.approx(full.step_time, rel=1e-12)
+    assert one.peak_memory[0] == pytest.approx(full.peak_memory[0], rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,38 @@ def test_two_device_communication(rng):
     assert _all_finite(out)
 
 
+def test_padded_reduce_scatter_and_trimmed_all_gather(rng):
+    """ZeRO's collectives for rows a group does not divide: the sum padded with zero
+    rows to a multiple, split; the gathered parts' first ``size`` rows."""
+    from distir_jax.ir import get_spec
+
+    b = FunctionBuilder("padded")
+    xs = [b.input(f"x{i}", (7, 2), device=i) for i in range(3)]
+    parts = b.add("ReduceScatter", *xs, axis=0, pad=True, names=("p0", "p1", "p2"))
+    assert [v.type.shape for v in parts] == [(3, 2)] * 3  # ceil(7 / 3) rows each
+    whole = b.add("AllGather", *parts, axis=0, size=7, names=("w0", "w1", "w2"))
+    assert [v.type.shape for v in whole] == [(7, 2)] * 3
+    arrays = {f"x{i}": rng.normal(size=(7, 2)) for i in range(3)}
+    out = execute(b.build(*parts, *whole), arrays)
+    total = sum(arrays.values())
+    padded = np.concatenate([total, np.zeros((2, 2))])
+    for i in range(3):
+        np.testing.assert_array_equal(out[f"p{i}"], padded[3 * i : 3 * i + 3])
+        np.testing.assert_array_equal(out[f"w{i}"], total)
+    # The ring moves the padded sum: 9 rows, not 7; the gather its 3-row parts.
+    rs, ag = (get_spec(t) for t in ("ReduceScatter", "AllGather"))
+    types = [tuple(v.type for v in values) for values in (xs, parts, whole)]
+    assert rs.features({"axis": 0, "pad": True}, types[0], types[1]).comm_volume == pytest.approx(
+        2 / 3 * 9 * 2 * 4
+    )
+    assert ag.features({"axis": 0, "size": 7}, types[1], types[2]).comm_volume == 2 * 3 * 2 * 4
+    # Without pad=True an indivisible dimension is an error that says how to pad.
+    with pytest.raises(ValueError, match=r"size 7 is not divisible by 3 \(pad=True pads it"):
+        b.add("ReduceScatter", *xs, axis=0)
+    with pytest.raises(ValueError, match=r"AllGather's size must be an int in \[1, 9\], got 10"):
+        b.add("AllGather", *parts, axis=0, size=10)
+
+
 def _mlp_step(b, x, t, w1, w2, shards=1):
     """Forward and backward of a two-layer MLP; returns ``(loss, dw1, dw2)``."""
     h = b.add("MatMul", x, w1)

@@ -51,11 +51,16 @@ def _group_size(attrs, ins) -> int:
     return len(attrs["group"]) if "group" in attrs else len(ins)
 
 
-def _split_dim(shape, axis, parts, what):
-    if not dim_divides(shape[axis], parts):
-        raise OpError(f"{what}: dimension {axis} of size {dim_str(shape[axis])} is not divisible by {parts}")
+def _split_dim(shape, axis, parts, what, pad=False):
+    """``shape`` with dimension ``axis`` split into ``parts``; with ``pad``, a
+    dimension they do not divide is first padded to the next multiple."""
+    if not pad and not dim_divides(shape[axis], parts):
+        raise OpError(
+            f"{what}: dimension {axis} of size {dim_str(shape[axis])} is not divisible by {parts} "
+            "(pad=True pads it to a multiple)"
+        )
     shape = list(shape)
-    shape[axis] = shape[axis] // parts
+    shape[axis] = -(-shape[axis] // parts)
     return tuple(shape)
 
 
@@ -133,12 +138,21 @@ def _allgather_infer(attrs, ins):
     _group_inputs(ins, "AllGather")
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
     shape = list(ins[0].shape)
-    shape[axis] = shape[axis] * _group_size(attrs, ins)
+    gathered = shape[axis] * _group_size(attrs, ins)
+    if "size" in attrs:  # the first `size` of the gathered rows: a padded ReduceScatter's inverse
+        size = attrs["size"]
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= gathered:
+            raise OpError(f"AllGather's size must be an int in [1, {dim_str(gathered)}], got {size!r}")
+        gathered = size
+    shape[axis] = gathered
     return tuple(t.with_shape(shape) for t in ins)
 
 
 def _allgather_eval(attrs, inputs):
-    whole = np.concatenate(inputs, axis=int(attrs.get("axis", 0)))
+    axis = int(attrs.get("axis", 0))
+    whole = np.concatenate(inputs, axis=axis)
+    if "size" in attrs:
+        whole = np.take(whole, np.arange(attrs["size"]), axis=axis)
     return tuple(np.array(whole, copy=True) for _ in inputs)
 
 
@@ -153,26 +167,46 @@ register(
 )
 
 # --------------------------------------------------------------------------- #
-# ReduceScatter: member i gets part i of the sum, split along `axis`.
+# ReduceScatter: member i gets part i of the sum, split along `axis`. With
+# pad=True a dimension the group does not divide is padded with zeros to the
+# next multiple first (as ZeRO implementations pad their flat buffers): the
+# last members' parts end in zeros, and the ring moves the padded bytes.
 
 
 def _reducescatter_infer(attrs, ins):
     _group_inputs(ins, "ReduceScatter")
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
-    shape = _split_dim(ins[0].shape, axis, _group_size(attrs, ins), "ReduceScatter")
+    shape = _split_dim(ins[0].shape, axis, _group_size(attrs, ins), "ReduceScatter", bool(attrs.get("pad")))
     return tuple(t.with_shape(shape) for t in ins)
 
 
 def _reducescatter_eval(attrs, inputs):
+    axis = int(attrs.get("axis", 0))
     total = np.sum(np.stack(inputs), axis=0)
-    return tuple(np.split(total, len(inputs), axis=int(attrs.get("axis", 0))))
+    g = len(inputs)
+    missing = -total.shape[axis] % g
+    if missing:  # pad=True (the type rule refused it otherwise)
+        widths = [(0, 0)] * total.ndim
+        widths[axis] = (0, missing)
+        total = np.pad(total, widths)
+    return tuple(np.split(total, g, axis=axis))
+
+
+def _reducescatter_features(attrs, ins, outs):
+    f = _ring(lambda g: (g - 1) / g, 1)(attrs, ins, outs)
+    if not attrs.get("pad"):
+        return f
+    # The padded input's bytes: each of the group's parts is an output's size.
+    group = len(attrs["group"]) if "group" in attrs else len({t.device for t in ins + outs})
+    padded = np.maximum(ins[0].num_bytes, outs[0].num_bytes * group)
+    return OpFeatures(comm_volume=(group - 1) / group * padded, comm_hops=f.comm_hops, is_comm=True)
 
 
 register(
     OpSpec(
         "ReduceScatter",
         _reducescatter_infer,
-        _ring(lambda g: (g - 1) / g, 1),
+        _reducescatter_features,
         _reducescatter_eval,
         single_device=False,
     )

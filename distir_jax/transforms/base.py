@@ -7,7 +7,9 @@ outputs. :class:`Distributed` records both:
 
 * ``inputs``: every input of the new function -> an :class:`InputSlice`: the
   original input's name and a chain of equal splits ``(axis, index, parts)``
-  applied in order (empty chain: a full copy, e.g. a replicated weight).
+  applied in order (empty chain: a full copy, e.g. a replicated weight). A
+  dimension the parts do not divide is padded with zeros to the next multiple
+  first (ZeRO's shards of a weight whose rows the replicas do not divide).
 * ``outputs``: every original output -> a :class:`Recipe` tree whose leaves
   name new outputs and whose nodes say how to combine them: ``"concat"``
   along an axis (a sharded result), ``"sum"`` (partial results, e.g. each
@@ -44,6 +46,11 @@ class InputSlice:
 
     def cut(self, value: np.ndarray) -> np.ndarray:
         for axis, index, parts in self.splits:
+            missing = -value.shape[axis] % parts
+            if missing:  # padded with zeros to a multiple of parts (see the module docstring)
+                widths = [(0, 0)] * value.ndim
+                widths[axis] = (0, missing)
+                value = np.pad(value, widths)
             value = np.split(value, parts, axis=axis)[index]
         return value
 
@@ -59,19 +66,22 @@ class Recipe:
     kind: str = "leaf"  # "leaf" | "concat" | "sum" | "replica"
     parts: tuple[Recipe, ...] = ()
     axis: int = 0
+    size: int | None = None  # "concat": keep the first `size` along `axis` (padded shards)
 
     @staticmethod
     def leaf(name: str) -> Recipe:
         return Recipe(name=name)
 
     @staticmethod
-    def combine(kind: str, parts, axis: int = 0) -> Recipe:
+    def combine(kind: str, parts, axis: int = 0, size: int | None = None) -> Recipe:
         if kind not in ("concat", "sum", "replica"):
             raise ValueError(f"unknown recipe kind {kind!r}; expected concat, sum or replica")
+        if size is not None and kind != "concat":
+            raise ValueError(f"only a concat recipe keeps a size, got kind {kind!r}")
         parts = tuple(parts)
-        if len(parts) == 1:
+        if len(parts) == 1 and size is None:
             return parts[0]
-        return Recipe(kind=kind, parts=parts, axis=axis)
+        return Recipe(kind=kind, parts=parts, axis=axis, size=size)
 
     def leaves(self) -> tuple[str, ...]:
         if self.kind == "leaf":
@@ -82,7 +92,8 @@ class Recipe:
         """Replaces each leaf by ``table[leaf]`` (composing two transforms)."""
         if self.kind == "leaf":
             return table[self.name]
-        return Recipe(kind=self.kind, parts=tuple(p.substitute(table) for p in self.parts), axis=self.axis)
+        parts = tuple(p.substitute(table) for p in self.parts)
+        return dataclasses.replace(self, parts=parts)
 
     def build(self, values: Mapping[str, np.ndarray], rtol: float = 1e-9, atol: float = 1e-12) -> np.ndarray:
         """Evaluates the recipe; raises if replicas that must agree do not."""
@@ -90,7 +101,8 @@ class Recipe:
             return np.asarray(values[self.name])
         built = [p.build(values, rtol, atol) for p in self.parts]
         if self.kind == "concat":
-            return np.concatenate(built, axis=self.axis)
+            whole = np.concatenate(built, axis=self.axis)
+            return whole if self.size is None else np.take(whole, np.arange(self.size), axis=self.axis)
         if self.kind == "sum":
             return np.sum(np.stack(built), axis=0)
         for other, part in zip(built[1:], self.parts[1:]):

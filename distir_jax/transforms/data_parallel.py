@@ -39,7 +39,12 @@ other transforms already spread over several devices:
   shard ``{w}.dp{r}.master`` (ZeRO partitions the master weights with the
   optimizer state), then the updated shards are all-gathered. Collectives do
   not alias their operands, so the gathered weight is a new buffer: at the end
-  of the step the weight is counted twice.
+  of the step the weight is counted twice. A weight whose rows the degree
+  does not divide is padded with zero rows to the next multiple, as ZeRO
+  implementations pad their flat buffers: shards of ``ceil(rows / degree)``
+  rows (``ReduceScatter(pad=True)``; the padded rows' gradient, state and
+  update stay zero), and the gather keeps the first ``rows``
+  (``AllGather(size=rows)``); sharded outputs are rebuilt the same way.
 
 Symmetry reduction (``representative_only``): only replica 0 is built, and
 each new collective carries ``group`` = its full group's devices, numbered as
@@ -65,7 +70,7 @@ from distir_jax.ir.typecheck import infer_types
 from distir_jax.ir.types import TensorType, dim_divides, dim_str, has_variants
 from distir_jax.transforms.base import Distributed, InputSlice, Program, Recipe, as_distributed
 
-__all__ = ["MAX_BUCKET_PIECES", "data_parallel"]
+__all__ = ["MAX_BUCKET_PIECES", "data_parallel", "zero_padding", "zero_shard_problem"]
 
 # Most equal pieces a bucket may be cut into; bounds the values one bucket adds.
 MAX_BUCKET_PIECES = 64
@@ -124,7 +129,8 @@ def data_parallel(
     Raises:
       ValueError: naming the parameter, its value and the constraint, for a
         bad ``degree`` or ``bucket_bytes``, a batch size ``degree`` does not
-        divide, or (``zero``) a weight whose dim 0 ``degree`` does not divide.
+        divide, or (``zero``) a scalar weight, or a size-variant dim 0 that
+        ``degree`` does not divide (a padded shard needs one size).
     """
     if isinstance(degree, (bool, np.bool_)) or not isinstance(degree, (int, np.integer)) or degree < 1:
         raise ValueError(f"data_parallel: degree must be an int >= 1, got degree={degree!r}")
@@ -161,18 +167,29 @@ def _num_devices(fn: Function) -> int:
 
 
 def _split_rows(t: TensorType, degree: int) -> TensorType:
-    return t.with_shape((t.shape[0] // degree,) + t.shape[1:])
+    """``t``'s share of one of ``degree`` replicas along axis 0 (a ZeRO shard of a
+    weight whose rows they do not divide: ``ceil(rows / degree)``, padded)."""
+    return t.with_shape((-(-t.shape[0] // degree),) + t.shape[1:])
 
 
 def zero_shard_problem(name: str, weight_type, degree: int) -> str:
-    """Why ZeRO cannot shard weight ``name`` over ``degree`` replicas, or ``""``."""
-    if weight_type.rank == 0 or not dim_divides(weight_type.shape[0], degree):
-        size = dim_str(weight_type.shape[0]) if weight_type.rank else "none (a scalar)"
+    """Why ZeRO cannot shard weight ``name`` over ``degree`` replicas, or ``""``:
+    a scalar, or a size-variant dim 0 ``degree`` does not divide (other dims are
+    padded, see :func:`zero_padding`)."""
+    if weight_type.rank == 0:
+        return f"data_parallel(zero=True): weight %{name} is a scalar; ZeRO shards state along axis 0"
+    rows = weight_type.shape[0]
+    if has_variants((rows,)) and not dim_divides(rows, degree):
         return (
-            f"data_parallel(zero=True): weight %{name} has dim 0 of size {size}, which "
-            f"degree={degree} must divide: ZeRO shards optimizer state along axis 0"
+            f"data_parallel(zero=True): weight %{name} has size-variant dim 0 {dim_str(rows)}, which "
+            f"degree={degree} must divide: a padded ZeRO shard needs one size"
         )
     return ""
+
+
+def zero_padding(weight_type, degree: int) -> int:
+    """Zero rows ZeRO adds to a weight (of fixed dim 0) so ``degree`` replicas divide it."""
+    return -int(weight_type.shape[0]) % degree
 
 
 def _fits(bucket: list[_Grad], grad: _Grad, cap: float) -> bool:
@@ -458,7 +475,8 @@ class _Replicator:
         """ZeRO: reduce-scatters ``grad`` along axis 0; replica r keeps shard r."""
         values = [self.env[r][grad.name] for r in self.replicas]
         names = [f"{grad.name}.dp{r}.shard" for r in self.replicas]
-        outs = self._collective("ReduceScatter", values, names, grad, "bwd", axis=0)
+        pad = {"pad": True} if zero_padding(grad.type, self.degree) else {}
+        outs = self._collective("ReduceScatter", values, names, grad, "bwd", axis=0, **pad)
         for r, out in zip(self.replicas, outs, strict=True):
             self.env[r][grad.name] = out
         self.ready.add(grad.name)
@@ -476,7 +494,9 @@ class _Replicator:
             shards.append(outs[0])
         new_weight = op.outputs[0].name
         names = [f"{new_weight}.dp{r}" for r in self.replicas]
-        gathered = self._collective("AllGather", shards, names, grad, "opt", axis=0)
+        rows = op.outputs[0].type.shape[0]
+        trim = {"size": int(rows)} if zero_padding(op.outputs[0].type, self.degree) else {}
+        gathered = self._collective("AllGather", shards, names, grad, "opt", axis=0, **trim)
         for r, out in zip(self.replicas, gathered, strict=True):
             self.env[r][new_weight] = out
 
@@ -488,7 +508,11 @@ class _Replicator:
             outputs += copies
             leaves = [Recipe.leaf(c.name) for c in copies]
             kind = kinds[v.name]
-            recipes[v.name] = leaves[0] if self.representative else Recipe.combine(kind, leaves, axis=0)
+            # ZeRO's shards of a weight's state the degree does not divide are padded: trimmed back.
+            padded = kind == "concat" and v.type.rank and not dim_divides(v.type.shape[0], self.degree)
+            size = int(v.type.shape[0]) if padded else None
+            combined = Recipe.combine(kind, leaves, axis=0, size=size)
+            recipes[v.name] = leaves[0] if self.representative else combined
         return Distributed(self.b.build(*outputs), dict(self.slices), recipes)
 
 
