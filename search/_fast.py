@@ -44,9 +44,9 @@ with interleaved stages run their long programs (no steady short one).
 
 Rows the fast engine does not model (other models, sequence parallelism, an
 MLP of one layer pair or of an odd number of layers under tensor
-parallelism, an MLP of one layer, ZeRO shards padded because the data degree
-does not divide a weight's rows) fall back to the exact engine; the
-``engine`` column says which one ran.
+parallelism, an MLP of one layer, and ZeRO shards padded because the data
+degree does not divide a weight's rows where stages split an MLP's pairs)
+fall back to the exact engine; the ``engine`` column says which one ran.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class FastEngine:
                     problem = zero_shard_problem(name, weight_type, config.data)
                     if problem:
                         raise ValueError(problem)
-                    if zero_padding(weight_type, config.data):
+                    if features.per_layer and zero_padding(weight_type, config.data):
                         raise _PaddedShards(name)
         topology = config.topology()
         # The program carries only this key's own microbatch sizes as variants.
@@ -214,8 +214,9 @@ class FastEngine:
 
 
 class _PaddedShards(Exception):
-    """ZeRO pads a weight's shards (its rows are not a multiple of the data degree):
-    coarse programs do not model the padding yet, so the exact engine runs the key."""
+    """ZeRO pads a weight's shards (its rows are not a multiple of the data degree)
+    where the features are per layer (an MLP's split tensor-parallel pairs), whose
+    gradient reductions' memory coarse programs do not pad: the exact engine runs it."""
 
 
 def _measure_key(config: Config) -> tuple:

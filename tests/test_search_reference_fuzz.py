@@ -2,9 +2,9 @@
 
 The fixed spaces of test_search_evaluate.py and test_search_fast.py cover the
 knobs one by one; here a seeded generator mixes them (GPT and MLP models,
-dtypes, 1-8 GPUs, every schedule, recompute, ZeRO, gradient overlap and
-sequence parallelism, three hardware presets, long pipelines that run as
-steady programs) and checks random rows of each sweep: step time, the
+dtypes, 1-8 GPUs and 3 or 6 (ZeRO's padded shards), every schedule, recompute,
+ZeRO, gradient overlap and sequence parallelism, three hardware presets, long
+pipelines that run as steady programs) and checks random rows of each sweep: step time, the
 busiest device's compute + communication and its bubble to 1e-9, peak memory
 exactly. (Such a fuzz found float64 sweeps stacking their inputs in float32.)
 """
@@ -23,12 +23,13 @@ def _some(rng: np.random.Generator, values: list, most: int) -> tuple:
     return tuple(rng.choice(values, size=int(rng.integers(1, most + 1)), replace=False))
 
 
-def _random_space(rng: np.random.Generator, long: bool) -> StrategySpace:
+def _random_space(rng: np.random.Generator, long: bool, odd: bool = False) -> StrategySpace:
     """A small space; ``long``: 1F1B / interleaved pipelines of 16 or 32 microbatches
-    (steady programs, with the test's threshold)."""
+    (steady programs, with the test's threshold); ``odd``: 3 or 6 GPUs (degrees of 3,
+    whose ZeRO shards pad every weight's rows)."""
     layers = int(rng.choice([4, 8] if long else [2, 4, 6, 8]))
     if rng.random() < 0.6:
-        heads = int(rng.choice([2, 4]))
+        heads = int(rng.choice([3, 6] if odd else [2, 4]))
         model = TransformerConfig(
             num_layers=layers,
             hidden=heads * int(rng.choice([8, 16])),
@@ -41,10 +42,11 @@ def _random_space(rng: np.random.Generator, long: bool) -> StrategySpace:
         model = MLPConfig(num_layers=layers, hidden=int(rng.choice([16, 32])), dtype="f32")
     microbatches = (int(rng.choice([16, 32])),) if long else tuple(map(int, rng.choice([1, 2, 4, 8], 2)))
     schedules = ["1f1b", "interleaved"] if long else ["gpipe", "1f1b", "interleaved"]
+    worlds = [3, 6] if odd else [4, 8] if long else [1, 2, 4, 8]
     return StrategySpace(
         model=model,
-        world_sizes=(int(rng.choice([4, 8])) if long else int(rng.choice([1, 2, 4, 8])),),
-        global_batch_sizes=(max(microbatches) * int(rng.choice([1, 2])),),
+        world_sizes=(int(rng.choice(worlds)),),
+        global_batch_sizes=(max(microbatches) * int(rng.choice([3, 6] if odd else [1, 2])),),
         microbatches=tuple(sorted(set(microbatches))),
         pipeline=(int(rng.choice([2, 4])),) if long else None,
         schedules=_some(rng, schedules, len(schedules)),
@@ -69,14 +71,17 @@ def _busiest_device(reference) -> tuple[float, float]:
     return busy[device], max(reference.step_time - stream, 0.0)
 
 
-@pytest.mark.parametrize("seed, long", [(0, False), (1, False), (2, True), (3, True)])
-def test_random_spaces_sweep_as_the_reference_simulates_each_row(seed, long, monkeypatch):
+@pytest.mark.parametrize(
+    "seed, long, odd",
+    [(0, False, False), (1, False, False), (2, True, False), (3, True, False), (4, False, True)],
+)
+def test_random_spaces_sweep_as_the_reference_simulates_each_row(seed, long, odd, monkeypatch):
     if long:  # steady programs from far fewer ops than in real sweeps (the same machinery)
         monkeypatch.setattr(coarse_steady, "MIN_LONG_OPS", 0)
     rng = np.random.default_rng(seed)
     checked = 0
     for _ in range(4 if long else 8):
-        configs = [c for c in enumerate_configs(_random_space(rng, long)) if c.valid]
+        configs = [c for c in enumerate_configs(_random_space(rng, long, odd)) if c.valid]
         if not configs:
             continue
         table = evaluate(configs, progress=False)  # float64

@@ -25,9 +25,9 @@ backward):
 Per part also: the weight, gradient and Adam-state bytes of the
 representative rank, the fused optimizer update, and (for any data-parallel
 degree) the gradient all-reduce or ZeRO reduce-scatter / all-gather features,
-from the communication ops' own registry entries (for ZeRO on gradients
-flattened and padded to a multiple of the degree, as ZeRO implementations
-do; the fine data-parallel transform instead needs dim 0 divisible).
+from the communication ops' own registry entries. ZeRO pads a weight whose
+rows the degree does not divide to the next multiple, as the fine
+data-parallel transform does (:meth:`LayerFeatures.zero_shards`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from distir_jax.models.mlp import mlp_training_step
 from distir_jax.models.transformer import transformer_training_step
 from distir_jax.transforms.coarse_fuse import fuse_groups
 from distir_jax.transforms.coarse_segments import backward_ops, linear_features
+from distir_jax.transforms.data_parallel import zero_padding, zero_shard
 
 __all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features", "layer_parts"]
 
@@ -84,6 +85,8 @@ class LayerFeatures:
       grad_types: per part, the types of its weight gradients.
       weights: per part, ``(name, type)`` of its weights in optimizer order
         (the names of the model's first block, embedding and head).
+      weight_bytes: per part, ``(rows, weight bytes, optimizer state bytes)``
+        of each weight, in optimizer order (ZeRO shards pad the rows).
       op_layers, op_flops: the measured model's ops (all but optimizer updates):
         their layers, and their flops ``[S, ops]``, for
         :meth:`layer_costs`.
@@ -131,6 +134,7 @@ class LayerFeatures:
     accumulate: np.ndarray
     grad_types: tuple
     weights: tuple
+    weight_bytes: tuple
     backward_rise: np.ndarray
     backward_net: np.ndarray
     segments: tuple = ()
@@ -160,6 +164,14 @@ class LayerFeatures:
         them (the order a data-parallel transform reduces them in)."""
         return tuple(
             tuple(float(np.max(g.num_bytes)) for g in seg.grads if g is not None) for seg in self.segments
+        )
+
+    @functools.cached_property
+    def grad_rows(self) -> tuple:
+        """Per part, the rows of :attr:`grad_order`'s gradients (ZeRO pads them)."""
+        return tuple(
+            tuple(int(np.max(g.shape[0])) if g.rank else 1 for g in seg.grads if g is not None)
+            for seg in self.segments
         )
 
     @property
@@ -193,6 +205,14 @@ class LayerFeatures:
             op_flops=None if self.op_flops is None else self.op_flops[v],
             output_bytes=None if self.output_bytes is None else self.output_bytes[:, v],
         )
+
+    def zero_shards(self, degree: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``[P]`` each part's weight and optimizer state bytes in one ZeRO shard over
+        ``degree`` replicas, and its update's cost per unpadded cost (the shard's
+        rows over the weights'), when some weight's rows must be padded
+        (:func:`~distir_jax.transforms.data_parallel.zero_shard`); else None
+        (every share is ``1 / degree``)."""
+        return _zero_shards(self, int(degree))
 
     def data_parallel(self, degree: int, zero: bool) -> tuple[np.ndarray, np.ndarray]:
         """Gradient communication of each part over ``degree`` replicas (ring collectives).
@@ -382,13 +402,18 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
     params = np.zeros(num_parts)
     state = np.zeros(num_parts)
     grads: list[list] = [[] for _ in range(num_parts)]
+    weight_bytes: list[list] = [[] for _ in range(num_parts)]
     for op in fn.ops:
         if op.attr("phase") != "opt":
             continue
         part = part_of(op.attr("layer"))
-        params[part] += float(op.inputs[0].type.num_bytes)
-        state[part] += sum(float(v.type.num_bytes) for v in op.inputs[2:])
+        nbytes = float(op.inputs[0].type.num_bytes)
+        state_bytes = sum(float(v.type.num_bytes) for v in op.inputs[2:])
+        params[part] += nbytes
+        state[part] += state_bytes
         grads[part].append(op.inputs[1].type)
+        rows = op.inputs[0].type.shape[0] if op.inputs[0].type.rank else 1
+        weight_bytes[part].append((int(np.max(rows)), nbytes, state_bytes))
     for part in range(num_parts):
         if ("opt", part) in index:  # parts without weights (an MLP's loss) have no update
             optimizer_features[part] = feats[0, index[("opt", part)]]
@@ -418,6 +443,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
         accumulate=accumulate,
         grad_types=tuple(tuple(g) for g in grads),
         weights=tuple(tuple(w) for w in weights),
+        weight_bytes=tuple(tuple(w) for w in weight_bytes),
         backward_rise=backward_rise,
         backward_net=backward_net,
         segments=segments,
@@ -430,6 +456,20 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
         per_layer=per_layer,
         output_bytes=output_bytes,
     )
+
+
+@functools.lru_cache(maxsize=1024)  # by identity
+def _zero_shards(features: LayerFeatures, degree: int):
+    if all(rows % degree == 0 for part in features.weight_bytes for rows, _, _ in part):
+        return None
+    out = np.zeros((3, len(features.weight_bytes)))
+    for q, part in enumerate(features.weight_bytes):
+        out[0, q] = sum(zero_shard(w, rows, degree) for rows, w, _ in part)
+        out[1, q] = sum(zero_shard(st, rows, degree) for rows, _, st in part)
+        total = sum(w for _, w, _ in part)
+        out[2, q] = out[0, q] / total if total else 0.0
+    out.setflags(write=False)
+    return out[0], out[1], out[2]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -461,13 +501,11 @@ def _gradient_collectives(key: tuple, grad, degree: int, zero: bool) -> tuple:
     if not zero:
         f = get_spec("AllReduce").features(group, (grad,), (grad,))
         return (float(f.comm_volume), float(f.comm_hops)), (0.0, 0.0)
-    # ZeRO implementations flatten and pad each gradient so any
-    # degree divides it; the fine IR instead needs dim 0 divisible.
-    padded = -(-int(np.max(grad.num_elements)) // degree) * degree
-    grad = grad.with_shape((padded,))
+    # Rows the degree does not divide are padded, as the data-parallel transform does.
+    padded = dict(group, pad=True) if zero_padding(grad, degree) else group
     rs = get_spec("ReduceScatter")
-    (shard,) = rs.infer(group, (grad,))
-    f = rs.features(group, (grad,), (shard,))
+    (shard,) = rs.infer(padded, (grad,))
+    f = rs.features(padded, (grad,), (shard,))
     ag = get_spec("AllGather")
     (whole,) = ag.infer(group, (shard,))
     g = ag.features(group, (shard,), (whole,))

@@ -48,6 +48,7 @@ from distir_jax.transforms.coarse_pipeline import (
     pipeline_template,
 )
 from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_template, worth_it
+from distir_jax.transforms.data_parallel import zero_padding, zero_shard
 
 __all__ = [
     "ChunkTables",
@@ -490,6 +491,11 @@ def mode_rows(
     gather_parts = np.stack([g for _, g in parts])
     adam = np.repeat(features.optimizer[None], m, axis=0)
     adam[:, :, _SCALED] /= shard[:, None, None]
+    # Modes whose ZeRO shards pad some weight's rows: each part's update per its shard's rows.
+    padded = [(i, features.zero_shards(int(data[i]))) for i in np.flatnonzero(zero & (data > 1))]
+    padded = [(i, shards) for i, shards in padded if shards is not None]
+    for i, (_, _, scale) in padded:
+        adam[i][:, _SCALED] = features.optimizer[:, _SCALED] * scale[:, None]
     update_parts = adam + np.where(sync[:, None, None], reduce_parts + gather_parts, 0.0)
     other = np.concatenate(
         [
@@ -507,6 +513,8 @@ def mode_rows(
         extra[i] = _reduction_peak(features, layers, p, *key)
     sharded = (zero & (data > 1))[:, None]
     resident = params + state / shard[:, None] + np.where(sharded, params / shard[:, None], 0.0)  # [M, p]
+    for i, (param_shard, state_shard, _) in padded:  # the master and state shards, padded rows included
+        resident[i] = params + base.stage_coef @ state_shard + base.stage_coef @ param_shard
     data_inputs = k * features.data_bytes  # [S]
     resident = np.repeat(resident[:, None], s, axis=1)
     resident[:, :, 0] += data_inputs  # tokens, on the first chunk's stage
@@ -747,10 +755,10 @@ def _segment_values(features: LayerFeatures, later: int, data: int, zero: bool) 
         u_alloc[:, i] = seg.rise[later, freed, j]
         u_free[:, i] = seg.rise[later, freed, j] - seg.net[later, freed, j]
         grad = seg.grads[j]
-        if grad is not None:  # its reduction writes a new buffer (a 1/d shard with ZeRO), then it goes
+        if grad is not None:  # its reduction writes a new buffer (a ZeRO shard: 1/d, padded), then it goes
             nbytes = float(np.max(grad.num_bytes))
             r_cost[i] = _collective("ReduceScatter" if zero else "AllReduce", grad, data)
-            r_alloc[i] = nbytes / data if zero else nbytes
+            r_alloc[i] = zero_shard(nbytes, int(grad.shape[0]), data) if zero else nbytes
             r_free[i] = nbytes
     out = (u_cost, u_alloc, u_free, r_cost, r_alloc, r_free)
     for x in out:
@@ -771,9 +779,10 @@ def _update_values(features: LayerFeatures, data: int) -> tuple:
     for (q, w), i in keys.items():
         j, weight_bytes, update = features.segments[q].updates[w]
         grad = features.segments[q].grads[j]
-        w_cost[:, i] = np.where(scaled, update / data, update)
-        w_free[i] = float(np.max(grad.num_bytes)) / data  # the gradient shard
-        shard = grad.with_shape((grad.shape[0] // data, *grad.shape[1:]))
+        rows = int(grad.shape[0])  # ZeRO pads rows the degree does not divide
+        w_cost[:, i] = np.where(scaled, zero_shard(update, rows, data), update)
+        w_free[i] = zero_shard(float(np.max(grad.num_bytes)), rows, data)  # the gradient shard
+        shard = grad.with_shape((-(-rows // data), *grad.shape[1:]))
         g_cost[i] = _collective("AllGather", shard, data)
         g_alloc[i] = weight_bytes  # the gathered weight, next to the old one
     out = (w_cost, w_free, g_cost, g_alloc)
@@ -789,6 +798,8 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
 
     spec = get_spec(op_type)
     attrs = {"group": tuple(range(degree)), "axis": 0}
+    if op_type == "ReduceScatter" and zero_padding(value, degree):  # as the data-parallel transform pads
+        attrs["pad"] = True
     f = spec.features(attrs, (value,), spec.infer(attrs, (value,)))
     out = np.zeros(_F)
     out[_VOLUME], out[_HOPS] = float(np.max(f.comm_volume)), float(np.max(f.comm_hops))
@@ -803,10 +814,15 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
     were produced (a stage's later chunks first, each chunk's parts in
     backward order), each collective writing a new buffer and freeing the
     gradient: an all-reduce output as large as the gradient, a ZeRO
-    reduce-scatter output ``1 / d`` of it (so the level falls as it goes).
+    reduce-scatter output ``1 / d`` of it, or ``ceil(rows / d)`` rows where ZeRO
+    pads them (so the level falls as it goes).
     """
     if not features.per_layer:  # depends on the gradients only: shared by recompute policies and sizes
-        return _part_reduction_peak(features.grad_order, features.ends_are_blocks, layers, p, data, zero)
+        rows = features.grad_rows if zero else None
+        ends = features.ends_are_blocks
+        return _part_reduction_peak(features.grad_order, rows, ends, layers, p, data, zero)
+    if zero and features.zero_shards(data) is not None:
+        raise ValueError("padded ZeRO shards of per-layer features are not modelled")
     return _layer_reduction_peak(features, layers, p, data, zero)
 
 
@@ -825,7 +841,13 @@ def _layer_reduction_peak(
 
 @functools.lru_cache(maxsize=4096)
 def _part_reduction_peak(
-    grad_order: tuple, ends_are_blocks: bool, layers: tuple, p: int, data: int, zero: bool
+    grad_order: tuple,
+    grad_rows: tuple | None,
+    ends_are_blocks: bool,
+    layers: tuple,
+    p: int,
+    data: int,
+    zero: bool,
 ) -> np.ndarray:
     # A stage's gradients come in runs (per chunk: its head, its blocks, its
     # embedding), each repeating one part's gradients. Every repetition starts
@@ -840,7 +862,14 @@ def _part_reduction_peak(
     rise, total = np.full(3, -np.inf), np.zeros(3)
     for part in parts:
         g = np.asarray(grad_order[part], np.float64)
-        if len(g):
+        if not len(g):
+            continue
+        rows = None if grad_rows is None else np.asarray(grad_rows[part])
+        if rows is not None and np.any(rows % data):  # ZeRO shards of padded rows
+            out = np.asarray([zero_shard(x, int(r), data) for x, r in zip(g, rows, strict=True)])
+            released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
+            rise[part], total[part] = np.max(out - released), (g - out).sum()
+        else:
             released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
             rise[part], total[part] = np.max(g * out_fraction - released), g.sum() * (1.0 - out_fraction)
     # [stage, run]: a stage's chunks latest first, each chunk's parts in backward order.

@@ -70,7 +70,7 @@ from distir_jax.ir.typecheck import infer_types
 from distir_jax.ir.types import TensorType, dim_divides, dim_str, has_variants
 from distir_jax.transforms.base import Distributed, InputSlice, Program, Recipe, as_distributed
 
-__all__ = ["MAX_BUCKET_PIECES", "data_parallel", "zero_padding", "zero_shard_problem"]
+__all__ = ["MAX_BUCKET_PIECES", "data_parallel", "zero_padding", "zero_shard", "zero_shard_problem"]
 
 # Most equal pieces a bucket may be cut into; bounds the values one bucket adds.
 MAX_BUCKET_PIECES = 64
@@ -190,6 +190,15 @@ def zero_shard_problem(name: str, weight_type, degree: int) -> str:
 def zero_padding(weight_type, degree: int) -> int:
     """Zero rows ZeRO adds to a weight (of fixed dim 0) so ``degree`` replicas divide it."""
     return -int(weight_type.shape[0]) % degree
+
+
+def zero_shard(total, rows: int, degree: int):
+    """One ZeRO shard's share of ``total`` (bytes, or costs that grow with the
+    rows) of a value of ``rows`` rows over ``degree`` replicas: ``total / degree``,
+    or ``ceil(rows / degree)`` rows' worth when its rows are padded."""
+    if rows % degree == 0:
+        return total / degree
+    return total / rows * -(-rows // degree)
 
 
 def _fits(bucket: list[_Grad], grad: _Grad, cap: float) -> bool:
