@@ -64,14 +64,15 @@ def _split_dim(shape, axis, parts, what, pad=False):
     return tuple(shape)
 
 
-def _ring(volume_factor, hops_per_member):
-    """Features of a ring collective on ``g`` members moving ``n`` bytes each."""
+def _ring(volume_factor, hops_per_member, moved=lambda ins, outs, group: ins[0].num_bytes):
+    """Features of a ring collective on ``g`` members moving ``n`` bytes each
+    (``moved``: ``n`` from the operand and result types and ``g``)."""
 
     def features(attrs, ins, outs):
         # A symmetry-reduced program keeps one representative replica but
         # costs each collective over its full group, named by `group`.
         group = len(attrs["group"]) if "group" in attrs else len({t.device for t in ins + outs})
-        n = ins[0].num_bytes
+        n = moved(ins, outs, group)
         return OpFeatures(
             comm_volume=volume_factor(group) * n,
             comm_hops=hops_per_member * (group - 1),
@@ -192,21 +193,16 @@ def _reducescatter_eval(attrs, inputs):
     return tuple(np.split(total, g, axis=axis))
 
 
-def _reducescatter_features(attrs, ins, outs):
-    f = _ring(lambda g: (g - 1) / g, 1)(attrs, ins, outs)
-    if not attrs.get("pad"):
-        return f
-    # The padded input's bytes: each of the group's parts is an output's size.
-    group = len(attrs["group"]) if "group" in attrs else len({t.device for t in ins + outs})
-    padded = np.maximum(ins[0].num_bytes, outs[0].num_bytes * group)
-    return OpFeatures(comm_volume=(group - 1) / group * padded, comm_hops=f.comm_hops, is_comm=True)
+def _padded_bytes(ins, outs, group):
+    """The (padded) sum's bytes: the group's parts, each an output's size."""
+    return np.maximum(ins[0].num_bytes, outs[0].num_bytes * group)
 
 
 register(
     OpSpec(
         "ReduceScatter",
         _reducescatter_infer,
-        _reducescatter_features,
+        _ring(lambda g: (g - 1) / g, 1, _padded_bytes),
         _reducescatter_eval,
         single_device=False,
     )

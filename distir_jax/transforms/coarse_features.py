@@ -208,10 +208,11 @@ class LayerFeatures:
 
     def zero_shards(self, degree: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """``[P]`` each part's weight and optimizer state bytes in one ZeRO shard over
-        ``degree`` replicas, and its update's cost per unpadded cost (the shard's
-        rows over the weights'), when some weight's rows must be padded
-        (:func:`~distir_jax.transforms.data_parallel.zero_shard`); else None
-        (every share is ``1 / degree``)."""
+        ``degree`` replicas, and its update's share of the whole update's cost
+        (the shards' bytes over the weights': an update's flops and bytes grow
+        with its rows, alike for every weight of a part), when some weight's rows
+        must be padded (:func:`~distir_jax.transforms.data_parallel.zero_shard`);
+        else None (every share is ``1 / degree``)."""
         return _zero_shards(self, int(degree))
 
     def data_parallel(self, degree: int, zero: bool) -> tuple[np.ndarray, np.ndarray]:
