@@ -44,9 +44,8 @@ with interleaved stages run their long programs (no steady short one).
 
 Rows the fast engine does not model (other models, sequence parallelism, an
 MLP of one layer pair or of an odd number of layers under tensor
-parallelism, an MLP of one layer, and ZeRO shards padded because the data
-degree does not divide a weight's rows where stages split an MLP's pairs)
-fall back to the exact engine; the ``engine`` column says which one ran.
+parallelism, an MLP of one layer) fall back to the exact engine; the
+``engine`` column says which one ran.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ from distir_jax.transforms.coarse import (
     transform_step_costs,
 )
 from distir_jax.transforms.coarse_steady import short_candidates
-from distir_jax.transforms.data_parallel import zero_padding, zero_shard_problem
+from distir_jax.transforms.data_parallel import zero_shard_problem
 from search._programs import Prepared, compact
 from search._transform import parallel_config
 from search.space import HARDWARE_DTYPE, Config, _topology
@@ -142,7 +141,7 @@ class FastEngine:
                 continue
             try:
                 prepared[c.preset] = self._prepare(c, group, steady, settle)
-            except (SplitBlockError, _PaddedShards):
+            except SplitBlockError:
                 return None
             except ValueError as err:
                 prepared[c.preset] = str(err).splitlines()[0]
@@ -185,8 +184,6 @@ class FastEngine:
                     problem = zero_shard_problem(name, weight_type, config.data)
                     if problem:
                         raise ValueError(problem)
-                    if features.per_layer and zero_padding(weight_type, config.data):
-                        raise _PaddedShards(name)
         topology = config.topology()
         # The program carries only this key's own microbatch sizes as variants.
         used = sorted({sizes.index(c.microbatch_size) for c in group})
@@ -211,12 +208,6 @@ class FastEngine:
             short_microbatches=short_candidates(pc.schedule, pc.pipeline)[settle:] if settle else None,
         )
         return compact(program, topology, period), tuple(sizes[i] for i in used)
-
-
-class _PaddedShards(Exception):
-    """ZeRO pads a weight's shards (its rows are not a multiple of the data degree)
-    where the features are per layer (an MLP's split tensor-parallel pairs), whose
-    gradient reductions' memory coarse programs do not pad: the exact engine runs it."""
 
 
 def _measure_key(config: Config) -> tuple:

@@ -204,6 +204,26 @@ def _assert_same_as_exact(configs):
     return fast
 
 
+def test_padded_zero_shards_of_mlp_pairs_split_by_stages_run_fast():
+    """Per-layer features (each stage one layer of a (column, row) pair) with ZeRO over
+    3 replicas, which pad every 16-row weight to 18: fast, the exact engine's numbers."""
+    space = StrategySpace(
+        model=MLPConfig(num_layers=4, hidden=16, dtype="f32"),
+        world_sizes=(24,),
+        global_batch_sizes=(24,),
+        microbatches=(2, 4),
+        tensor=(2,),
+        pipeline=(4,),
+        schedules=("gpipe", "1f1b"),
+        zero=(True,),
+        overlap_grad_comm=(False, True),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid]
+    assert len(configs) == 8 and all(c.data == 3 and _split_pairs(c) for c in configs)
+    _assert_same_as_exact(configs)
+
+
 def test_mlp_tensor_pairs_split_by_single_layer_stages_run_fast():
     """mlp-xs (8 layers) on t = 2, p = 8: each stage holds one layer, every other
     message is a column layer's feature shard (DistIR's grid, part (a) of the benchmark)."""

@@ -121,11 +121,12 @@ def layer_chunk_updates(features: LayerFeatures, layers: tuple, chunks) -> list[
     return out
 
 
-def layer_stage_grads(features: LayerFeatures, layers: tuple, stage: int, p: int) -> list[float]:
-    """A stage's gradient bytes in the order its backward passes make them (later chunks first)."""
+def layer_stage_grads(features: LayerFeatures, layers: tuple, stage: int, p: int, rows: bool = False) -> list:
+    """A stage's gradient bytes (``rows``: their rows) in the order its backward
+    passes make them (later chunks first)."""
     chunks = chunk_parts(features, layers)
-    n, order = len(chunks), features.grad_order
-    grads: list[float] = []
+    n, order = len(chunks), features.grad_rows if rows else features.grad_order
+    grads: list = []
     for c in range(n - 1 - (n - 1 - stage) % p, -1, -p):
         for q in chunks[c][::-1]:
             grads += list(order[q])

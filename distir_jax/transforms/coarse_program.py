@@ -821,8 +821,6 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
         rows = features.grad_rows if zero else None
         ends = features.ends_are_blocks
         return _part_reduction_peak(features.grad_order, rows, ends, layers, p, data, zero)
-    if zero and features.zero_shards(data) is not None:
-        raise ValueError("padded ZeRO shards of per-layer features are not modelled")
     return _layer_reduction_peak(features, layers, p, data, zero)
 
 
@@ -830,9 +828,16 @@ def _layer_reduction_peak(
     features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool
 ) -> np.ndarray:
     out_fraction = 1.0 / data if zero else 1.0
+    padded = zero and features.zero_shards(data) is not None
     extra = np.zeros(p)
     for stage in range(p):
         g = np.asarray(layer_stage_grads(features, layers, stage, p), np.float64)
+        if padded:  # ZeRO shards of padded rows
+            rows = layer_stage_grads(features, layers, stage, p, rows=True)
+            out = np.asarray([zero_shard(x, r, data) for x, r in zip(g, rows, strict=True)], np.float64)
+            released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
+            extra[stage] = max(0.0, float(np.max(out - released, initial=0.0)))
+            continue
         released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
         extra[stage] = max(0.0, float(np.max(g * out_fraction - released, initial=0.0)))
     extra.setflags(write=False)  # cached
