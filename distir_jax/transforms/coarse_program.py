@@ -827,21 +827,27 @@ def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, z
 def _layer_reduction_peak(
     features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool
 ) -> np.ndarray:
-    out_fraction = 1.0 / data if zero else 1.0
-    padded = zero and features.zero_shards(data) is not None
     extra = np.zeros(p)
     for stage in range(p):
         g = np.asarray(layer_stage_grads(features, layers, stage, p), np.float64)
-        if padded:  # ZeRO shards of padded rows
-            rows = layer_stage_grads(features, layers, stage, p, rows=True)
-            out = np.asarray([zero_shard(x, r, data) for x, r in zip(g, rows, strict=True)], np.float64)
-            released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
-            extra[stage] = max(0.0, float(np.max(out - released, initial=0.0)))
-            continue
-        released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
-        extra[stage] = max(0.0, float(np.max(g * out_fraction - released, initial=0.0)))
+        rows = layer_stage_grads(features, layers, stage, p, rows=True) if zero else None
+        out, net, _ = _reduced(g, rows, data, zero)
+        released = np.concatenate([[0.0], np.cumsum(net)[:-1]])
+        extra[stage] = max(0.0, float(np.max(out - released, initial=0.0)))
     extra.setflags(write=False)  # cached
     return extra
+
+
+def _reduced(g: np.ndarray, rows, data: int, zero: bool) -> tuple:
+    """For gradients of ``g`` bytes (in the order they are reduced): each reduction's
+    output (the gradient, or its ZeRO shard: ``1 / d`` of it, or ``ceil(rows / d)``
+    rows where its rows are padded), the bytes that freeing the gradient then
+    releases, and their sum."""
+    if zero and rows is not None and any(int(r) % data for r in rows):
+        out = np.asarray([zero_shard(x, int(r), data) for x, r in zip(g, rows, strict=True)], np.float64)
+        return out, g - out, (g - out).sum()
+    fraction = 1.0 / data if zero else 1.0
+    return g * fraction, g * (1.0 - fraction), g.sum() * (1.0 - fraction)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -858,7 +864,6 @@ def _part_reduction_peak(
     # embedding), each repeating one part's gradients. Every repetition starts
     # after more has been released than the one before, so a run peaks in its
     # first: the part's own peak ``rise``, less what earlier runs released.
-    out_fraction = 1.0 / data if zero else 1.0
     n = len(layers)
     if n % p:
         raise ValueError(f"{n} chunks do not split evenly over {p} stages")
@@ -869,14 +874,9 @@ def _part_reduction_peak(
         g = np.asarray(grad_order[part], np.float64)
         if not len(g):
             continue
-        rows = None if grad_rows is None else np.asarray(grad_rows[part])
-        if rows is not None and np.any(rows % data):  # ZeRO shards of padded rows
-            out = np.asarray([zero_shard(x, int(r), data) for x, r in zip(g, rows, strict=True)])
-            released = np.concatenate([[0.0], np.cumsum(g - out)[:-1]])
-            rise[part], total[part] = np.max(out - released), (g - out).sum()
-        else:
-            released = np.concatenate([[0.0], np.cumsum(g * (1.0 - out_fraction))[:-1]])
-            rise[part], total[part] = np.max(g * out_fraction - released), g.sum() * (1.0 - out_fraction)
+        out, net, total[part] = _reduced(g, None if grad_rows is None else grad_rows[part], data, zero)
+        released = np.concatenate([[0.0], np.cumsum(net)[:-1]])
+        rise[part] = np.max(out - released)
     # [stage, run]: a stage's chunks latest first, each chunk's parts in backward order.
     chunks = np.arange(p)[:, None] + p * np.arange(n // p - 1, -1, -1)[None, :]
     counts = coef[chunks][:, :, parts].reshape(p, -1)
