@@ -615,10 +615,10 @@ def _sweep_order(paths: Sequence[str], lengths: Sequence[int]):
     the sweep's last ones, and the order of the others is still the sweep's.)"""
     import numpy as np
 
-    found = [_PART_NAME.search(os.path.basename(str(path))) for path in paths]
-    if not all(found) or len({int(m[2]) for m in found}) != 1:
+    found = _part_numbers(paths)
+    if not all(found) or len({n for _, n in found}) != 1:
         return None
-    parts, index = int(found[0][2]), [int(m[1]) for m in found]
+    parts, index = found[0][1], [i for i, _ in found]
     total = sum(lengths)
     if sorted(index) != list(range(parts)) or any(
         n != len(range(i, total, parts)) for i, n in zip(index, lengths, strict=True)
@@ -635,10 +635,9 @@ def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int]) -> list[str]
     one fewer than any other's. (Parts all cut short alike look complete: only
     the sweep itself knows its size.)"""
     by_count: dict[int, dict[int, tuple[str, int]]] = {}  # N -> I -> (path, rows), a repeat once
-    for path, n in zip(paths, lengths, strict=True):
-        found = _PART_NAME.search(os.path.basename(str(path)))
+    for path, n, found in zip(paths, lengths, _part_numbers(paths), strict=True):
         if found:
-            by_count.setdefault(int(found[2]), {}).setdefault(int(found[1]), (str(path), n))
+            by_count.setdefault(found[1], {}).setdefault(found[0], (str(path), n))
     out = []
     for parts, rows in sorted(by_count.items()):
         missing = [i for i in range(parts) if i not in rows]
@@ -656,6 +655,12 @@ def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int]) -> list[str]
                     "options and --resume"
                 )
     return out
+
+
+def _part_numbers(paths: Sequence[str]) -> list[tuple[int, int] | None]:
+    """``(I, N)`` of each path named as part ``I`` of ``N`` (:data:`_PART_NAME`), else None."""
+    found = [_PART_NAME.search(os.path.basename(str(path))) for path in paths]
+    return [(int(m[1]), int(m[2])) if m else None for m in found]
 
 
 def _whole_path(part_path: str) -> str:

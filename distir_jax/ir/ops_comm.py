@@ -181,16 +181,21 @@ def _reducescatter_infer(attrs, ins):
     return tuple(t.with_shape(shape) for t in ins)
 
 
-def _reducescatter_eval(attrs, inputs):
-    axis = int(attrs.get("axis", 0))
-    total = np.sum(np.stack(inputs), axis=0)
-    g = len(inputs)
-    missing = -total.shape[axis] % g
-    if missing:  # pad=True (the type rule refused it otherwise)
-        widths = [(0, 0)] * total.ndim
+def split_padded(value: np.ndarray, parts: int, axis: int) -> list[np.ndarray]:
+    """``value`` split into ``parts`` equal parts along ``axis``, zero-padded first to
+    a multiple of ``parts`` where they do not divide it (ZeRO's shards)."""
+    missing = -value.shape[axis] % parts
+    if missing:
+        widths = [(0, 0)] * value.ndim
         widths[axis] = (0, missing)
-        total = np.pad(total, widths)
-    return tuple(np.split(total, g, axis=axis))
+        value = np.pad(value, widths)
+    return np.split(value, parts, axis=axis)
+
+
+def _reducescatter_eval(attrs, inputs):
+    # Padding only with pad=True: the type rule refuses an indivisible dimension otherwise.
+    total = np.sum(np.stack(inputs), axis=0)
+    return tuple(split_padded(total, len(inputs), int(attrs.get("axis", 0))))
 
 
 def _padded_bytes(ins, outs, group):

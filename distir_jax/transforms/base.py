@@ -30,6 +30,7 @@ from typing import Union
 import numpy as np
 
 from distir_jax.ir.function import Function
+from distir_jax.ir.ops_comm import split_padded
 
 Split = tuple[int, int, int]  # (axis, index, parts)
 
@@ -45,13 +46,8 @@ class InputSlice:
         return InputSlice(self.source, self.splits + ((axis, index, parts),))
 
     def cut(self, value: np.ndarray) -> np.ndarray:
-        for axis, index, parts in self.splits:
-            missing = -value.shape[axis] % parts
-            if missing:  # padded with zeros to a multiple of parts (see the module docstring)
-                widths = [(0, 0)] * value.ndim
-                widths[axis] = (0, missing)
-                value = np.pad(value, widths)
-            value = np.split(value, parts, axis=axis)[index]
+        for axis, index, parts in self.splits:  # padded where parts do not divide (see above)
+            value = split_padded(value, parts, axis)[index]
         return value
 
 
