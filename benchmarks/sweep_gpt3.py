@@ -543,9 +543,8 @@ class _Rows:
         self.free = _flat([f.reshape(-1, 2) for _, f in memory])[0]
         self.memory_rows = np.asarray([a.shape[1] for a, _ in memory])
         self.resident_bytes, self.resident_start = _flat([_widen(x, _MAX_STAGES) for x in resident])
-        # Keys of one pipeline whose update rows carry the same bytes: those without the
-        # reduction's transient (mode "sync" has it, and it differs with ZeRO).
-        self.update_id = np.where(np.any(self.update_extra != 0, axis=1), np.arange(len(keys)) + 1, 0)
+        if np.any(self.update_extra < 0):  # _stage_peaks adds them to tops computed without them
+            raise ValueError("an update's transient bytes are negative")
 
     def resident(self, ids: np.ndarray) -> np.ndarray:
         """``[len(ids), _MAX_STAGES]`` configurations ``ids``' resident bytes per stage."""
@@ -559,7 +558,8 @@ class _Rows:
     def event_bytes(self, ids: np.ndarray, event_slot: np.ndarray):
         """``(net, free)``, ``[len(ids), E]`` each: configurations ``ids``' bytes
         allocated minus freed, and freed, at each memory event of one template
-        (``event_slot``: its memory row and resource slot, ``2 * row + slot``; -1: none).
+        (``event_slot``: its memory row and resource slot, ``2 * row + slot``; -1: none),
+        without their keys' own update bytes (:meth:`update_events`).
 
         Each configuration's table is gathered first (a few hundred numbers), then
         the events from it: the large gathers read a small block that stays in cache."""
@@ -572,22 +572,29 @@ class _Rows:
         alloc = self.alloc.reshape(-1)[index]
         free = np.zeros((len(ids), width + 1))
         free[:, :width] = self.free.reshape(-1)[index]
-        # The key's own bytes on its update rows (slot 0), added to both (as mode_rows says).
-        p, row = int(self.stages[k[0]]), 2 * int(self.update_row[k[0]])
-        update, extra = slice(row, row + 2 * p, 2), self.update_extra[k, :p]
-        alloc[:, update] += extra
-        free[:, update] += extra
         net = np.zeros_like(free)
         np.subtract(alloc, free[:, :width], out=net[:, :width])
         # np.take returns C-ordered rows (fancy indexing on axis 1 would not: cumsum is 3x slower there).
         return np.take(net, event_slot, axis=1), np.take(free, event_slot, axis=1)
 
+    def update_events(self, ids: np.ndarray, event_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(events [U], bytes [len(ids), U])``: the memory events of one template
+        (``event_slot`` as :meth:`event_bytes`) on its update rows' slot 0, and
+        the bytes configurations ``ids``' keys add to both their allocation and
+        their release there (``mode_rows``' ``update_extra``: the reduction's
+        transient, which differs by data-parallel mode)."""
+        k = self.key[ids]
+        p, row = int(self.stages[k[0]]), 2 * int(self.update_row[k[0]])
+        offset = event_slot - row
+        events = np.flatnonzero((offset >= 0) & (offset < 2 * p) & (offset % 2 == 0))
+        return events, self.update_extra[k][:, offset[events] // 2]
+
     def bytes_key(self, ids: np.ndarray, periods: np.ndarray) -> np.ndarray:
         """``[len(ids)]`` int64, equal for configurations whose memory events carry
-        the same bytes (:meth:`event_bytes`: one pipeline's tables, one size, the
-        same update bytes) and that run as many extra periods ``periods``."""
+        the same bytes (:meth:`event_bytes`: one pipeline's tables, one size) and
+        that run as many extra periods ``periods``."""
         k = self.key[ids]
-        digits = (self.pipeline_of[k], self.variant[ids], self.update_id[k], np.asarray(periods, np.int64))
+        digits = (self.pipeline_of[k], self.variant[ids], np.asarray(periods, np.int64))
         key = np.zeros(len(ids), np.int64)
         for digit in digits:
             key = key * (int(digit.max(initial=0)) + 1) + digit
@@ -776,25 +783,42 @@ def _stage_peaks(arrays: list[dict], groups: list, rows: _Rows, ids: np.ndarray,
     (consecutive groups of one template together), from event bytes gathered
     straight from the flat tables (spare rows stay zero).
 
-    Configurations whose events carry the same bytes (:meth:`_Rows.bytes_key`:
-    ~1/5 of the rows, modes that differ in resident bytes only) share one
-    rise above their resident bytes: ``resident + max(rise, 0)``, the same
-    floats as the product's ``max(resident, resident + rise)``."""
+    Configurations whose events carry the same bytes but on their update rows
+    (:meth:`_Rows.bytes_key`: one pipeline's tables, one size; ~1/30 of the
+    rows) share one pass over the events; each then raises its update events'
+    tops by its own update bytes (:meth:`_Rows.update_events`, at most one per
+    stage, added to an event's allocation and release alike: its level does not
+    move). ``resident + max(rise, 0)``: the same floats as the product's
+    ``max(resident, resident + rise)`` (byte counts are integers here: the sums
+    are exact in any order)."""
     b = _ROWS_PER_GROUP
     stage_peak = np.zeros((len(ids), _MAX_STAGES))
     runs = [i for i in range(len(arrays)) if i == 0 or arrays[i] is not arrays[i - 1]] + [len(arrays)]
     for lo, hi in zip(runs[:-1], runs[1:], strict=True):
         a = arrays[lo]
+        template = a["template"]
         at = np.concatenate([i * b + np.arange(len(groups[i][1])) for i in range(lo, hi)])
         members = ids[at]
         _, first, inverse = np.unique(
             rows.bytes_key(members, periods[members]), return_index=True, return_inverse=True
         )
+        inverse = inverse.reshape(-1)
         distinct = members[first]
         net, free = rows.event_bytes(distinct, a["event_slot"])
+        events, extra = rows.update_events(members, a["event_slot"])
+        stages, starts, _ = template.stage_runs
+        stage = stages[np.searchsorted(starts, events, side="right") - 1]
+        if len(np.unique(stage)) != len(stage):
+            raise ValueError(
+                f"a stage of template {template.pipeline} x {template.microbatches} has two updates"
+            )
         none = np.zeros((len(distinct), _MAX_STAGES))
-        rise = event_stage_peaks(a["template"], net, free, none, a["steady"], extra_periods=periods[distinct])
-        stage_peak[at] = rows.resident(members) + rise[inverse.reshape(-1)]
+        rise, tops = event_stage_peaks(
+            template, net, free, none, a["steady"], extra_periods=periods[distinct], events=events
+        )
+        rise = rise[inverse]
+        rise[:, stage] = np.maximum(rise[:, stage], tops[inverse] + extra)
+        stage_peak[at] = rows.resident(members) + rise
     return stage_peak
 
 

@@ -35,33 +35,53 @@ def small_gpt():
     return model, topology, configs
 
 
+def _assert_each_configuration_as_simulated_alone(model, topology, configs, result):
+    """``result`` (:func:`sweep_gpt3.simulate_configs`) row by row against the
+    product's coarse program of each configuration, simulated alone."""
+    hardware = Hardware.from_topology(topology)
+    for i, c in enumerate(configs):
+        features = layer_features(model, c.tensor, c.recompute, c.microbatch_size, topology)
+        program = coarse_pipeline_program(
+            features,
+            topology,
+            pipeline=c.pipeline,
+            microbatches=c.microbatches,
+            data=c.data,
+            virtual_stages=c.virtual_stages,
+            schedule=c.schedule,
+            zero=c.zero,
+            overlap=c.overlap,
+        )
+        alone = simulate(program, hardware)
+        np.testing.assert_allclose(
+            result["step_time"][i], float(alone.step_time[0]), rtol=1e-9, err_msg=str(c)
+        )
+        np.testing.assert_allclose(
+            result["peak"][i], float(np.max(alone.peak_memory[0])), rtol=1e-9, err_msg=str(c)
+        )
+        assert result["status"][i] == int(alone.status[0]), c
+
+
 def test_the_benchmark_pipeline_matches_each_configuration_simulated_alone(small_gpt):
     model, topology, configs = small_gpt
     with jax.enable_x64(True):
         result = sweep_gpt3.simulate_configs(model, topology, configs)
         assert result["steady"] > 0  # some rows come from a short steady template
-        hardware = Hardware.from_topology(topology)
-        for i, c in enumerate(configs):
-            features = layer_features(model, c.tensor, c.recompute, c.microbatch_size, topology)
-            program = coarse_pipeline_program(
-                features,
-                topology,
-                pipeline=c.pipeline,
-                microbatches=c.microbatches,
-                data=c.data,
-                virtual_stages=c.virtual_stages,
-                schedule=c.schedule,
-                zero=c.zero,
-                overlap=c.overlap,
-            )
-            alone = simulate(program, hardware)
-            np.testing.assert_allclose(
-                result["step_time"][i], float(alone.step_time[0]), rtol=1e-9, err_msg=str(c)
-            )
-            np.testing.assert_allclose(
-                result["peak"][i], float(np.max(alone.peak_memory[0])), rtol=1e-9, err_msg=str(c)
-            )
-            assert result["status"][i] == int(alone.status[0]), c
+        _assert_each_configuration_as_simulated_alone(model, topology, configs, result)
+
+
+def test_peaks_set_by_the_gradient_reduction_transient(small_gpt):
+    """Rows that share their events' bytes but for their updates' (mode "sync": the
+    reduction's transient) share a pass over the events; with activations of 16
+    tokens that transient sets some stages' peaks, each row's own."""
+    model, topology, _ = small_gpt
+    model = dataclasses.replace(model, seq_len=16)
+    space = sweep_gpt3.enumerate_space(model, world=16, global_batch=32)
+    configs = [c for c in space if c.mode == "sync" and c.microbatch_size == 2 and c.pipeline <= 4][::5]
+    assert {c.pipeline for c in configs} == {1, 2, 4} and {c.zero for c in configs} == {False, True}
+    with jax.enable_x64(True):
+        result = sweep_gpt3.simulate_configs(model, topology, configs)
+        _assert_each_configuration_as_simulated_alone(model, topology, configs, result)
 
 
 def test_every_row_is_simulated_once_whatever_the_call_shape(small_gpt, monkeypatch):

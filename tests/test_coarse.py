@@ -583,6 +583,41 @@ def test_stage_peak_memory_is_lower_peak_memory():
     np.testing.assert_allclose(stages, np.asarray(program.peak_bytes)[:, :4], rtol=1e-12)
 
 
+@pytest.mark.parametrize("steady", [False, True])
+def test_event_tops_raise_peaks_as_bytes_added_there(steady):
+    """``event_stage_peaks(events=...)``: bytes an event allocates and frees besides
+    (one event per stage) raise its stage's peak as if they were in its tables."""
+    from distir_jax.transforms.coarse_steady import steady_template
+
+    found = steady_template(4, 12, 1, "1f1b", "overlap_zero") if steady else None
+    template = found.template if steady else pipeline_template(4, 6, 1, "1f1b", "overlap_zero")
+    assert not steady or found is not None
+    stages, starts, _ = template.stage_runs
+    rng = np.random.default_rng(3)
+    rows, num_events = 6, len(template.stage_events[0])
+    net = rng.integers(-50, 60, (rows, num_events)).astype(np.float64)
+    free = rng.integers(0, 40, (rows, num_events)).astype(np.float64)
+    resident = rng.integers(0, 100, (rows, 4)).astype(np.float64)
+    periods = np.arange(rows) % 3
+    ends = np.append(starts[1:], num_events)
+    events = np.asarray([rng.integers(lo, hi) for lo, hi in zip(starts, ends, strict=True)])
+    extra = rng.integers(0, 40, (rows, len(events))).astype(np.float64)
+    extra[::2] *= 1000  # even rows: the extra bytes set every stage's peak
+    raised = free.copy()
+    raised[:, events] += extra
+    steady_arg = found if steady else None
+    want = coarse_program.event_stage_peaks(
+        template, net.copy(), raised, resident, steady_arg, extra_periods=periods
+    )
+    peak, tops = coarse_program.event_stage_peaks(
+        template, net.copy(), free.copy(), resident, steady_arg, extra_periods=periods, events=events
+    )
+    got = peak.copy()
+    got[:, stages] = np.maximum(peak[:, stages], resident[:, stages] + tops + extra)
+    np.testing.assert_array_equal(got, want)
+    assert np.all(want[::2, stages] > peak[::2, stages]) and np.any(want[1::2] == peak[1::2])
+
+
 def test_coarsen_rejects_groups_on_different_links():
     # Tensor-parallel all-reduces (inside a node) and data-parallel ones (across nodes) in one group.
     fine, _ = fine_program(2, "none", 2, 4, 1, "1f1b", 2, False, False, (2, 2))

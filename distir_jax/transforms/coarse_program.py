@@ -1016,12 +1016,19 @@ def event_stage_peaks(
     resident,
     steady: SteadyTemplate | None = None,
     extra_periods=None,
-) -> np.ndarray:
+    events=None,
+):
     """:func:`stage_peak_memory` from each stage event's net bytes (allocated
     minus freed) and freed bytes, ``[S, E]`` float64 each, in
     ``template.stage_events`` order (event ``e`` is op slot ``perm[e]``): for
     callers that gather them from tables of their own in one pass. Both
-    arrays are overwritten (they are the largest ones here: no copies)."""
+    arrays are overwritten (they are the largest ones here: no copies).
+
+    With ``events`` (event indices, ``[U]``), returns ``(peak, tops)``: also
+    each of those events' top above its stage's starting level, ``[S, U]``
+    (what it contributes to that stage's rise, the long program's where
+    ``steady``), so a caller can raise those events' tops for rows that
+    differ from these only there."""
     stages, starts, _ = template.stage_runs
     # Values at the few events read later, before the running sums overwrite them.
     first_delta = net[:, starts]
@@ -1034,21 +1041,28 @@ def event_stage_peaks(
     # An event's top (its level before it, plus what it allocates) is ``level + free``;
     # each stage's rise is its largest top above the level its run starts from.
     base = level[:, starts] - first_delta  # [S, stages]
+    top = np.add(level, free, out=free)
+    if events is not None:
+        events = np.asarray(events, np.intp)
+        tops = top[:, events] - base[:, np.searchsorted(starts, events, side="right") - 1]
     if steady is None:
-        rise = np.maximum.reduceat(np.add(level, free, out=free), starts, axis=1) - base
+        rise = np.maximum.reduceat(top, starts, axis=1) - base
     else:
         # Tops per (stage, part) run, parts A, Q, Z in program order: each copy of the
         # period moves a stage's level by the period's net, so Q's copies top out at
         # the first one's plus ``max(0, r * net)`` and Z at its own plus ``r * net``.
         period_net = np.where(first >= 0, level[:, q1] - level[:, q0] + q0_delta, 0.0)  # [S, stages]
-        top = np.maximum.reduceat(np.add(level, free, out=free), runs, axis=1) - base[:, run_stage]
+        run_top = np.maximum.reduceat(top, runs, axis=1) - base[:, run_stage]
         r = steady.extra_periods if extra_periods is None else np.reshape(extra_periods, (-1, 1))
         moved = (r * period_net)[:, run_stage]
-        top += np.where(run_part == 1, np.maximum(moved, 0.0), np.where(run_part == 2, moved, 0.0))
-        rise = np.maximum.reduceat(top, stage_runs, axis=1)
+        shift = np.where(run_part == 1, np.maximum(moved, 0.0), np.where(run_part == 2, moved, 0.0))
+        run_top += shift
+        rise = np.maximum.reduceat(run_top, stage_runs, axis=1)
+        if events is not None:
+            tops += shift[:, np.searchsorted(runs, events, side="right") - 1]
     peak = np.array(resident, np.float64, copy=True)
     peak[:, stages] = np.maximum(peak[:, stages], resident[:, stages] + rise)
-    return peak
+    return peak if events is None else (peak, tops)
 
 
 def coarse_pipeline_program(
