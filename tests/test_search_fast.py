@@ -224,6 +224,28 @@ def test_padded_zero_shards_of_mlp_pairs_split_by_stages_run_fast():
     _assert_same_as_exact(configs)
 
 
+def test_padded_reduction_transient_of_per_layer_stages_sets_their_peaks():
+    """Per-layer stages, ZeRO over 3 replicas padding every weight (64 or 32 rows) to a multiple of 3,
+    gradients reduced after the backward pass (no overlap): with one sample per
+    microbatch, a stage's reduce-scatter output above its gradients is its peak
+    (a fast engine that leaves it out is ~2 KB low), as the exact engine finds."""
+    space = StrategySpace(
+        model=MLPConfig(num_layers=4, hidden=64, dtype="f32"),
+        world_sizes=(24,),
+        global_batch_sizes=(3,),
+        microbatches=(1,),
+        tensor=(2,),
+        pipeline=(4,),
+        schedules=("gpipe", "1f1b"),
+        zero=(True,),
+        overlap_grad_comm=(False,),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid]
+    assert len(configs) == 2 and all(c.data == 3 and _split_pairs(c) for c in configs)
+    _assert_same_as_exact(configs)
+
+
 def test_mlp_tensor_pairs_split_by_single_layer_stages_run_fast():
     """mlp-xs (8 layers) on t = 2, p = 8: each stage holds one layer, every other
     message is a column layer's feature shard (DistIR's grid, part (a) of the benchmark)."""
