@@ -12,6 +12,7 @@ Usage errors print one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -255,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_OUTPUT,
         metavar="PATH",
         help=f"results file, .csv or .parquet (default: {DEFAULT_OUTPUT}; a .parquet copy is "
-        "written next to a .csv when pyarrow is installed)",
+        "written next to a .csv when pyarrow is installed, and a .manifest.json listing the "
+        "configurations it is to hold, for merge)",
     )
     s.add_argument(
         "--resume",
@@ -357,8 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Join the results files of a sweep run in parts (sweep --parts / --distributed) "
         "into one, then print the best strategies as sweep does. Given every part (by their "
         "names, *.part-I-of-N), the file is the one-process sweep's, row for row; a part not "
-        "given, or shorter than the others say it should be (an interrupted run), is named in a "
-        "warning.",
+        "given, or lacking configurations its manifest (*.manifest.json, written by its sweep) "
+        "lists (an interrupted run), is named in a warning.",
     )
     g.add_argument("output", help="the joined results file, .csv or .parquet")
     g.add_argument("inputs", nargs="+", metavar="part", help="the parts' results files")
@@ -484,6 +486,7 @@ def _sweep(args) -> int:
         print(_exact_rows_notice(mine), end="", flush=True)
     if not args.resume and os.path.exists(output):
         os.remove(output)  # a fresh sweep; evaluate would otherwise resume from it
+    _write_manifest(output, configs, part, parts)  # before any row: an interrupted run has it too
     done = _config_ids(output) if os.path.exists(output) else set()
     # Always through results_path: evaluate checkpoints there, so an interrupted
     # sweep can go on with --resume.
@@ -532,8 +535,11 @@ def _merge(args) -> int:
     if order is not None and len(order) == len(table):  # every part of one sweep, no row twice
         table = table.take(order)  # the one-process sweep's order
     table.write(args.output)
+    manifest = _manifest_path(args.output)
+    if os.path.exists(manifest) and manifest not in {_manifest_path(str(path)) for path in args.inputs}:
+        os.remove(manifest)  # an earlier sweep's, into this file name: it no longer describes it
     # A part missing or cut short leaves its configurations out of the table: say so.
-    gaps = _incomplete_parts(args.inputs, lengths)
+    gaps = _incomplete_parts(args.inputs, lengths, tables)
     for gap in gaps:
         print(f"distir-jax merge: warning: {gap}", file=sys.stderr)
     how = f" from {len(tables)} files" + (" (incomplete: see the warnings)" if gaps else "")
@@ -627,18 +633,27 @@ def _sweep_order(paths: Sequence[str], lengths: Sequence[int]):
     return np.argsort(np.concatenate([np.arange(i, total, parts) for i in index]))
 
 
-def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int]) -> list[str]:
-    """Why named parts of one sweep (``*.part-I-of-N``, :data:`_PART_NAME`) may
-    not hold all of its configurations: parts not given, and parts shorter than
-    a complete sweep's would be given the others. A complete sweep's part ``I``
-    has ``len(range(I, total, N))`` rows: no fewer than a later part's, at most
-    one fewer than any other's. (Parts all cut short alike look complete: only
-    the sweep itself knows its size.)"""
+def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int], tables: Sequence) -> list[str]:
+    """Why files of a sweep may not hold all of its configurations.
+
+    A file with its sweep's manifest (:func:`_write_manifest`, next to it) is
+    checked against it: every configuration the sweep assigned it must be in
+    it. Named parts of one sweep (``*.part-I-of-N``, :data:`_PART_NAME`) must
+    all be given; one without its manifest is checked by its length instead:
+    a complete sweep's part ``I`` has ``len(range(I, total, N))`` rows, no
+    fewer than a later part's, at most one fewer than any other's (parts all
+    cut short alike pass that check: only a manifest knows the sweep's size)."""
+    out, measured = [], set()
+    for path, table in zip(paths, tables, strict=True):
+        gap = _manifest_gap(str(path), table)
+        if gap is not None:
+            measured.add(str(path))
+            if gap:
+                out.append(gap)
     by_count: dict[int, dict[int, tuple[str, int]]] = {}  # N -> I -> (path, rows), a repeat once
     for path, n, found in zip(paths, lengths, _part_numbers(paths), strict=True):
         if found:
             by_count.setdefault(found[1], {}).setdefault(found[0], (str(path), n))
-    out = []
     for parts, rows in sorted(by_count.items()):
         missing = [i for i in range(parts) if i not in rows]
         if missing:
@@ -648,13 +663,58 @@ def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int]) -> list[str]
         longest = max(n for _, n in rows.values())
         for i, (path, n) in sorted(rows.items()):
             expected = max([longest - 1] + [m for j, (_, m) in rows.items() if j > i])
-            if n < expected:
+            if n < expected and path not in measured:
                 out.append(
                     f"{path} has {n} row{'s' * (n != 1)} where a complete part {i} of {parts} has "
-                    f"at least {expected}: was it interrupted? finish it with its `distir-jax sweep` "
-                    "options and --resume"
+                    f"at least {expected}: was it interrupted? {_FINISH_IT}"
                 )
     return out
+
+
+_FINISH_IT = "finish it with its `distir-jax sweep` options and --resume"
+
+
+def _manifest_path(results_path: str) -> str:
+    """The manifest of a sweep's results file: ``results/sweep.part-2-of-4.csv`` ->
+    ``results/sweep.part-2-of-4.manifest.json`` (shared by its .parquet copy)."""
+    return os.path.splitext(results_path)[0] + ".manifest.json"
+
+
+def _write_manifest(results_path: str, configs: Sequence, part: int, parts: int) -> None:
+    """Records which configurations ``results_path`` is to hold once its sweep is done
+    (part ``part`` of ``parts`` of ``configs``), so that ``merge`` can tell a file
+    cut short (a run interrupted, or every part stopped by a job's time limit)."""
+    manifest = {
+        "configurations": len(configs),
+        "part": part,
+        "parts": parts,
+        "config_ids": [c.config_id for c in configs[part::parts]],
+    }
+    with open(_manifest_path(results_path), "w") as f:
+        json.dump(manifest, f)
+
+
+def _manifest_gap(path: str, table) -> str | None:
+    """None when ``path`` has no manifest; else ``""`` when it holds every configuration
+    its manifest lists, or a warning that says how many it lacks."""
+    manifest = _manifest_path(path)
+    if not os.path.exists(manifest):
+        return None
+    try:
+        with open(manifest) as f:
+            wanted = json.load(f)["config_ids"]
+        wanted = {str(x) for x in wanted}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return (
+            f"{manifest} is not a sweep manifest ({type(err).__name__}: {err}); {path} not checked against it"
+        )
+    missing = len(wanted - set(table["config_id"].tolist()))
+    if not missing:
+        return ""
+    return (
+        f"{path} lacks {missing} of the {len(wanted)} configurations its sweep assigned it "
+        f"({manifest}): was it interrupted? {_FINISH_IT}"
+    )
 
 
 def _part_numbers(paths: Sequence[str]) -> list[tuple[int, int] | None]:

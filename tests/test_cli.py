@@ -193,6 +193,47 @@ def test_a_sweep_in_parts_merges_into_the_whole_sweep(tmp_path, capsys):
     assert merged.take(range(sizes[0])) == ResultTable.read(parts[0])
 
 
+def test_merge_finds_parts_all_cut_short_alike_by_their_manifests(tmp_path, capsys):
+    """Every part stopped at once (a job's time limit): their lengths look like a
+    complete sweep's, but each part's manifest lists the configurations it lacks."""
+    out = tmp_path / "sweep.csv"
+    for part in range(3):
+        assert main(SMALL_SWEEP + ["--output", str(out), "--parts", "3", "--part", str(part)]) == 0
+    parts = [tmp_path / f"sweep.part-{i}-of-3.csv" for i in range(3)]
+    manifests = [tmp_path / f"sweep.part-{i}-of-3.manifest.json" for i in range(3)]
+    sizes = [len(ResultTable.read(p)) for p in parts]
+    assert (
+        all(m.exists() for m in manifests)
+        and len(json.loads(manifests[1].read_text())["config_ids"]) == sizes[1]
+    )
+    capsys.readouterr()
+    for part, n in zip(parts, sizes, strict=True):  # each one row short: still "complete" by length
+        ResultTable.read(part).take(range(n - 1)).write(part)
+    assert main(["merge", str(out), *map(str, parts)]) == 0
+    captured = capsys.readouterr()
+    warnings = captured.err.strip().splitlines()
+    assert "(incomplete: see the warnings)" in captured.out and len(warnings) == 3
+    for part, manifest, n, warning in zip(parts, manifests, sizes, warnings, strict=True):
+        assert warning.startswith(f"distir-jax merge: warning: {part} lacks 1 of the {n} configurations")
+        assert str(manifest) in warning and "--resume" in warning
+    # Resumed, a part is whole again: no warning for it.
+    assert main(SMALL_SWEEP + ["--output", str(out), "--parts", "3", "--part", "1", "--resume"]) == 0
+    capsys.readouterr()
+    assert main(["merge", str(out), *map(str, parts)]) == 0
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 2 and not any(str(parts[1]) in w for w in warnings)
+    # The merged file replaces a one-process sweep's of that name: its manifest goes.
+    assert main(SMALL_SWEEP + ["--output", str(out)]) == 0 and (tmp_path / "sweep.manifest.json").exists()
+    assert main(["merge", str(out), *map(str, parts)]) == 0
+    assert not (tmp_path / "sweep.manifest.json").exists()
+    capsys.readouterr()
+    # A manifest that cannot be read is named, and the part checked by its length instead.
+    manifests[0].write_text("{not json")
+    assert main(["merge", str(out), str(parts[0])]) == 0
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert any(f"{manifests[0]} is not a sweep manifest (JSONDecodeError" in w for w in warnings)
+
+
 def test_merge_puts_a_sweeps_parts_in_enumeration_order_only_when_all_are_there():
     from distir_jax.cli import _sweep_order
 
