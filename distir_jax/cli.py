@@ -690,7 +690,9 @@ def _write_manifest(results_path: str, configs: Sequence, part: int, parts: int)
         "parts": parts,
         "config_ids": [c.config_id for c in configs[part::parts]],
     }
-    with open(_manifest_path(results_path), "w") as f:
+    path = _manifest_path(results_path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # as the results file's own writer does
+    with open(path, "w") as f:
         json.dump(manifest, f)
 
 

@@ -196,11 +196,12 @@ def test_a_sweep_in_parts_merges_into_the_whole_sweep(tmp_path, capsys):
 def test_merge_finds_parts_all_cut_short_alike_by_their_manifests(tmp_path, capsys):
     """Every part stopped at once (a job's time limit): their lengths look like a
     complete sweep's, but each part's manifest lists the configurations it lacks."""
-    out = tmp_path / "sweep.csv"
+    folder = tmp_path / "results"  # not there yet: the sweep makes it (as in a fresh clone)
+    out = folder / "sweep.csv"
     for part in range(3):
         assert main(SMALL_SWEEP + ["--output", str(out), "--parts", "3", "--part", str(part)]) == 0
-    parts = [tmp_path / f"sweep.part-{i}-of-3.csv" for i in range(3)]
-    manifests = [tmp_path / f"sweep.part-{i}-of-3.manifest.json" for i in range(3)]
+    parts = [folder / f"sweep.part-{i}-of-3.csv" for i in range(3)]
+    manifests = [folder / f"sweep.part-{i}-of-3.manifest.json" for i in range(3)]
     sizes = [len(ResultTable.read(p)) for p in parts]
     assert (
         all(m.exists() for m in manifests)
@@ -223,9 +224,9 @@ def test_merge_finds_parts_all_cut_short_alike_by_their_manifests(tmp_path, caps
     warnings = capsys.readouterr().err.strip().splitlines()
     assert len(warnings) == 2 and not any(str(parts[1]) in w for w in warnings)
     # The merged file replaces a one-process sweep's of that name: its manifest goes.
-    assert main(SMALL_SWEEP + ["--output", str(out)]) == 0 and (tmp_path / "sweep.manifest.json").exists()
+    assert main(SMALL_SWEEP + ["--output", str(out)]) == 0 and (folder / "sweep.manifest.json").exists()
     assert main(["merge", str(out), *map(str, parts)]) == 0
-    assert not (tmp_path / "sweep.manifest.json").exists()
+    assert not (folder / "sweep.manifest.json").exists()
     capsys.readouterr()
     # A manifest that cannot be read is named, and the part checked by its length instead.
     manifests[0].write_text("{not json")
