@@ -645,11 +645,11 @@ def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int], tables: Sequ
     cut short alike pass that check: only a manifest knows the sweep's size)."""
     out, measured = [], set()
     for path, table in zip(paths, tables, strict=True):
-        gap = _manifest_gap(str(path), table)
-        if gap is not None:
+        checked, gap = _manifest_gap(str(path), table)
+        if checked:
             measured.add(str(path))
-            if gap:
-                out.append(gap)
+        if gap:
+            out.append(gap)
     by_count: dict[int, dict[int, tuple[str, int]]] = {}  # N -> I -> (path, rows), a repeat once
     for path, n, found in zip(paths, lengths, _part_numbers(paths), strict=True):
         if found:
@@ -696,24 +696,26 @@ def _write_manifest(results_path: str, configs: Sequence, part: int, parts: int)
         json.dump(manifest, f)
 
 
-def _manifest_gap(path: str, table) -> str | None:
-    """None when ``path`` has no manifest; else ``""`` when it holds every configuration
-    its manifest lists, or a warning that says how many it lacks."""
+def _manifest_gap(path: str, table) -> tuple[bool, str]:
+    """``(checked, warning)``: whether ``path`` was checked against its manifest (it
+    has one that reads), and a warning when it lacks configurations the manifest
+    lists, or when the manifest does not read ("" when neither)."""
     manifest = _manifest_path(path)
     if not os.path.exists(manifest):
-        return None
+        return False, ""
     try:
         with open(manifest) as f:
-            wanted = json.load(f)["config_ids"]
-        wanted = {str(x) for x in wanted}
+            wanted = {str(x) for x in json.load(f)["config_ids"]}
     except (OSError, ValueError, KeyError, TypeError) as err:
         return (
-            f"{manifest} is not a sweep manifest ({type(err).__name__}: {err}); {path} not checked against it"
+            False,
+            f"{manifest} is not a sweep manifest ({type(err).__name__}: {err}); "
+            f"{path} not checked against it",
         )
     missing = len(wanted - set(table["config_id"].tolist()))
     if not missing:
-        return ""
-    return (
+        return True, ""
+    return True, (
         f"{path} lacks {missing} of the {len(wanted)} configurations its sweep assigned it "
         f"({manifest}): was it interrupted? {_FINISH_IT}"
     )

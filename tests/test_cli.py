@@ -228,11 +228,16 @@ def test_merge_finds_parts_all_cut_short_alike_by_their_manifests(tmp_path, caps
     assert main(["merge", str(out), *map(str, parts)]) == 0
     assert not (folder / "sweep.manifest.json").exists()
     capsys.readouterr()
-    # A manifest that cannot be read is named, and the part checked by its length instead.
+    # A manifest that cannot be read is named, and its part checked by its length instead
+    # (two rows short now: fewer than a complete part 0 can have, whatever the others hold).
     manifests[0].write_text("{not json")
-    assert main(["merge", str(out), str(parts[0])]) == 0
+    ResultTable.read(parts[0]).take(range(sizes[0] - 2)).write(parts[0])
+    assert main(["merge", str(out), *map(str, parts)]) == 0
     warnings = capsys.readouterr().err.strip().splitlines()
-    assert any(f"{manifests[0]} is not a sweep manifest (JSONDecodeError" in w for w in warnings)
+    assert len(warnings) == 3
+    assert f"{manifests[0]} is not a sweep manifest (JSONDecodeError" in warnings[0]
+    assert f"{parts[2]} lacks 1 of the {sizes[2]} configurations" in warnings[1]
+    assert f"{parts[0]} has {sizes[0] - 2} rows where a complete part 0 of 3 has at least" in warnings[2]
 
 
 def test_merge_puts_a_sweeps_parts_in_enumeration_order_only_when_all_are_there():
