@@ -12,7 +12,6 @@ Usage errors print one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -486,7 +485,6 @@ def _sweep(args) -> int:
         print(_exact_rows_notice(mine), end="", flush=True)
     if not args.resume and os.path.exists(output):
         os.remove(output)  # a fresh sweep; evaluate would otherwise resume from it
-    _write_manifest(output, configs, part, parts)  # before any row: an interrupted run has it too
     done = _config_ids(output) if os.path.exists(output) else set()
     # Always through results_path: evaluate checkpoints there, so an interrupted
     # sweep can go on with --resume.
@@ -522,6 +520,7 @@ def _sweep(args) -> int:
 
 def _merge(args) -> int:
     from search import ResultTable
+    from search.manifest import manifest_path
 
     _check_output(args.output, "the merged file")
     tables = []
@@ -535,8 +534,8 @@ def _merge(args) -> int:
     if order is not None and len(order) == len(table):  # every part of one sweep, no row twice
         table = table.take(order)  # the one-process sweep's order
     table.write(args.output)
-    manifest = _manifest_path(args.output)
-    if os.path.exists(manifest) and manifest not in {_manifest_path(str(path)) for path in args.inputs}:
+    manifest = manifest_path(args.output)
+    if os.path.exists(manifest) and manifest not in {manifest_path(str(path)) for path in args.inputs}:
         os.remove(manifest)  # an earlier sweep's, into this file name: it no longer describes it
     # A part missing or cut short leaves its configurations out of the table: say so.
     gaps = _incomplete_parts(args.inputs, lengths, tables)
@@ -636,16 +635,18 @@ def _sweep_order(paths: Sequence[str], lengths: Sequence[int]):
 def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int], tables: Sequence) -> list[str]:
     """Why files of a sweep may not hold all of its configurations.
 
-    A file with its sweep's manifest (:func:`_write_manifest`, next to it) is
+    A file with its sweep's manifest (:mod:`search.manifest`, next to it) is
     checked against it: every configuration the sweep assigned it must be in
     it. Named parts of one sweep (``*.part-I-of-N``, :data:`_PART_NAME`) must
     all be given; one without its manifest is checked by its length instead:
     a complete sweep's part ``I`` has ``len(range(I, total, N))`` rows, no
     fewer than a later part's, at most one fewer than any other's (parts all
     cut short alike pass that check: only a manifest knows the sweep's size)."""
+    from search.manifest import RESUME_ADVICE, manifest_gap
+
     out, measured = [], set()
     for path, table in zip(paths, tables, strict=True):
-        checked, gap = _manifest_gap(str(path), table)
+        checked, gap = manifest_gap(str(path), table)
         if checked:
             measured.add(str(path))
         if gap:
@@ -666,59 +667,9 @@ def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int], tables: Sequ
             if n < expected and path not in measured:
                 out.append(
                     f"{path} has {n} row{'s' * (n != 1)} where a complete part {i} of {parts} has "
-                    f"at least {expected}: was it interrupted? {_FINISH_IT}"
+                    f"at least {expected}: was it interrupted? {RESUME_ADVICE}"
                 )
     return out
-
-
-_FINISH_IT = "finish it with its `distir-jax sweep` options and --resume"
-
-
-def _manifest_path(results_path: str) -> str:
-    """The manifest of a sweep's results file: ``results/sweep.part-2-of-4.csv`` ->
-    ``results/sweep.part-2-of-4.manifest.json`` (shared by its .parquet copy)."""
-    return os.path.splitext(results_path)[0] + ".manifest.json"
-
-
-def _write_manifest(results_path: str, configs: Sequence, part: int, parts: int) -> None:
-    """Records which configurations ``results_path`` is to hold once its sweep is done
-    (part ``part`` of ``parts`` of ``configs``), so that ``merge`` can tell a file
-    cut short (a run interrupted, or every part stopped by a job's time limit)."""
-    manifest = {
-        "configurations": len(configs),
-        "part": part,
-        "parts": parts,
-        "config_ids": [c.config_id for c in configs[part::parts]],
-    }
-    path = _manifest_path(results_path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # as the results file's own writer does
-    with open(path, "w") as f:
-        json.dump(manifest, f)
-
-
-def _manifest_gap(path: str, table) -> tuple[bool, str]:
-    """``(checked, warning)``: whether ``path`` was checked against its manifest (it
-    has one that reads), and a warning when it lacks configurations the manifest
-    lists, or when the manifest does not read ("" when neither)."""
-    manifest = _manifest_path(path)
-    if not os.path.exists(manifest):
-        return False, ""
-    try:
-        with open(manifest) as f:
-            wanted = {str(x) for x in json.load(f)["config_ids"]}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return (
-            False,
-            f"{manifest} is not a sweep manifest ({type(err).__name__}: {err}); "
-            f"{path} not checked against it",
-        )
-    missing = len(wanted - set(table["config_id"].tolist()))
-    if not missing:
-        return True, ""
-    return True, (
-        f"{path} lacks {missing} of the {len(wanted)} configurations its sweep assigned it "
-        f"({manifest}): was it interrupted? {_FINISH_IT}"
-    )
 
 
 def _part_numbers(paths: Sequence[str]) -> list[tuple[int, int] | None]:

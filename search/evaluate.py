@@ -117,6 +117,7 @@ from search._programs import (
     stack_periods,
 )
 from search._progress import progress_bar
+from search.manifest import write_manifest
 from search.results import STATUS_INVALID as INVALID
 from search.results import STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
 from search.space import Config, StrategySpace, _one_line, as_configs
@@ -184,6 +185,8 @@ def evaluate(
         kept and only configurations missing from it (by ``config_id``) are
         evaluated; the merged table is written back (also every
         ``checkpoint_seconds`` while running, so an interrupted sweep resumes).
+        A manifest of the configurations it is to hold is written next to it
+        first (:mod:`search.manifest`: ``distir-jax merge`` checks it).
       max_configs_per_call: most rows in one kernel call. Default: 256 on CPU
         (the kernel's per-step tables then stay in cache: about twice the
         throughput per row of 1024-row calls on a 2-core CPU), 4096 on
@@ -224,6 +227,8 @@ def evaluate(
         index, count = _process_slice(process_index, process_count)
         if not 0 <= index < count:
             raise ValueError(f"process_index must be in [0, {count}), got {index}")
+        if results_path:  # before any row: an interrupted sweep's file has it too
+            write_manifest(results_path, configs, index, count)
         # The slice first, then what is done: a host resumed from its own results file
         # (which holds its slice only) goes on with its slice, whatever the others did.
         todo = [c for c in configs[index::count] if c.config_id not in done_ids]

@@ -3,8 +3,10 @@
 import functools
 import gc
 import importlib
+import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -212,6 +214,28 @@ def test_process_slices_partition_the_sweep(swept):
     order = {cid: i for i, cid in enumerate(merged["config_id"].tolist())}
     assert merged.take([order[c.config_id] for c in subset]) == evaluate(subset, progress=False)
     _assert_same_numbers(evaluate(subset, progress=False), table.take(np.arange(40)))
+
+
+def test_a_results_file_has_a_manifest_of_its_slice(swept, tmp_path):
+    """Written before the first row; a file cut short lacks what the manifest lists."""
+    from search.manifest import manifest_gap, manifest_path
+
+    configs, _ = swept
+    subset = configs[:20]
+    path = tmp_path / "new" / "part1.csv"  # a folder not there yet
+    table = evaluate(subset, results_path=path, progress=False, process_index=1, process_count=3)
+    manifest = json.loads(pathlib.Path(manifest_path(path)).read_text())
+    assert manifest_path(path) == str(tmp_path / "new" / "part1.manifest.json")
+    assert manifest == {
+        "configurations": 20,
+        "part": 1,
+        "parts": 3,
+        "config_ids": [c.config_id for c in subset[1::3]],
+    }
+    assert manifest_gap(path, table) == (True, "")
+    checked, warning = manifest_gap(path, table.take(range(len(table) - 2)))
+    assert checked and warning.startswith(f"{path} lacks 2 of the 7 configurations its sweep assigned it")
+    assert manifest_gap(tmp_path / "elsewhere.csv", table) == (False, "")
 
 
 def test_a_process_resumed_from_its_own_file_finishes_its_own_slice(swept, tmp_path):
