@@ -37,8 +37,10 @@ them. The kernel compiles, and its calls (durations, then slices) are
 issued, in a background thread while the host finds steady templates and
 fills tables; a third thread reads each call's result; XLA's CPU client runs
 on one intra-op thread (``NPROC=1``, see below). Peak memory needs no
-timeline: two more threads compute it per template, vectorized over its rows
-(before that, they build the long templates no short one replaces).
+timeline: two more threads compute it per template, vectorized over its rows,
+one pass over the template's memory events per (pipeline tables, microbatch
+size), each row then adding its own update bytes (before that, they build the
+long templates no short one replaces).
 
     python benchmarks/sweep_gpt3.py            # the whole space
     python benchmarks/sweep_gpt3.py --quick    # a deterministic subsample, < 40 s
