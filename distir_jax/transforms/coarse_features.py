@@ -48,7 +48,7 @@ from distir_jax.models.mlp import mlp_training_step
 from distir_jax.models.transformer import transformer_training_step
 from distir_jax.transforms.coarse_fuse import fuse_groups
 from distir_jax.transforms.coarse_segments import backward_ops, linear_features
-from distir_jax.transforms.data_parallel import zero_padding, zero_shard
+from distir_jax.transforms.data_parallel import zero_scatter_attrs, zero_shard
 
 __all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features", "layer_parts"]
 
@@ -503,7 +503,7 @@ def _gradient_collectives(key: tuple, grad, degree: int, zero: bool) -> tuple:
         f = get_spec("AllReduce").features(group, (grad,), (grad,))
         return (float(f.comm_volume), float(f.comm_hops)), (0.0, 0.0)
     # Rows the degree does not divide are padded, as the data-parallel transform does.
-    padded = dict(group, pad=True) if zero_padding(grad, degree) else group
+    padded = dict(group, **zero_scatter_attrs(grad, degree))
     rs = get_spec("ReduceScatter")
     (shard,) = rs.infer(padded, (grad,))
     f = rs.features(padded, (grad,), (shard,))

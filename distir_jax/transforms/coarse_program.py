@@ -48,7 +48,7 @@ from distir_jax.transforms.coarse_pipeline import (
     pipeline_template,
 )
 from distir_jax.transforms.coarse_steady import SteadyTemplate, steady_template, worth_it
-from distir_jax.transforms.data_parallel import zero_padding, zero_shard
+from distir_jax.transforms.data_parallel import zero_scatter_attrs, zero_shard
 
 __all__ = [
     "ChunkTables",
@@ -798,8 +798,8 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
 
     spec = get_spec(op_type)
     attrs = {"group": tuple(range(degree)), "axis": 0}
-    if op_type == "ReduceScatter" and zero_padding(value, degree):  # as the data-parallel transform pads
-        attrs["pad"] = True
+    if op_type == "ReduceScatter":  # padded as the data-parallel transform pads
+        attrs.update(zero_scatter_attrs(value, degree))
     f = spec.features(attrs, (value,), spec.infer(attrs, (value,)))
     out = np.zeros(_F)
     out[_VOLUME], out[_HOPS] = float(np.max(f.comm_volume)), float(np.max(f.comm_hops))
@@ -831,23 +831,24 @@ def _layer_reduction_peak(
     for stage in range(p):
         g = np.asarray(layer_stage_grads(features, layers, stage, p), np.float64)
         rows = layer_stage_grads(features, layers, stage, p, rows=True) if zero else None
-        out, net, _ = _reduced(g, rows, data, zero)
-        released = np.concatenate([[0.0], np.cumsum(net)[:-1]])
-        extra[stage] = max(0.0, float(np.max(out - released, initial=0.0)))
+        extra[stage] = max(0.0, float(_reduction_rise(g, rows, data, zero)[0]))
     extra.setflags(write=False)  # cached
     return extra
 
 
-def _reduced(g: np.ndarray, rows, data: int, zero: bool) -> tuple:
-    """For gradients of ``g`` bytes (in the order they are reduced): each reduction's
-    output (the gradient, or its ZeRO shard: ``1 / d`` of it, or ``ceil(rows / d)``
-    rows where its rows are padded), the bytes that freeing the gradient then
-    releases, and their sum."""
+def _reduction_rise(g: np.ndarray, rows, data: int, zero: bool) -> tuple[float, float]:
+    """Gradients of ``g`` bytes reduced one by one, each collective writing its output
+    (the gradient, or its ZeRO shard: ``1 / d`` of it, or ``ceil(rows / d)`` rows
+    where its rows are padded) and then freeing the gradient: ``(the highest the
+    level gets above where it started, the bytes released in all)``."""
     if zero and rows is not None and any(int(r) % data for r in rows):
         out = np.asarray([zero_shard(x, int(r), data) for x, r in zip(g, rows, strict=True)], np.float64)
-        return out, g - out, (g - out).sum()
-    fraction = 1.0 / data if zero else 1.0
-    return g * fraction, g * (1.0 - fraction), g.sum() * (1.0 - fraction)
+        net, total = g - out, (g - out).sum()
+    else:
+        fraction = 1.0 / data if zero else 1.0
+        out, net, total = g * fraction, g * (1.0 - fraction), g.sum() * (1.0 - fraction)
+    released = np.concatenate([[0.0], np.cumsum(net)[:-1]])
+    return np.max(out - released, initial=-np.inf), total
 
 
 @functools.lru_cache(maxsize=4096)
@@ -874,9 +875,9 @@ def _part_reduction_peak(
         g = np.asarray(grad_order[part], np.float64)
         if not len(g):
             continue
-        out, net, total[part] = _reduced(g, None if grad_rows is None else grad_rows[part], data, zero)
-        released = np.concatenate([[0.0], np.cumsum(net)[:-1]])
-        rise[part] = np.max(out - released)
+        rise[part], total[part] = _reduction_rise(
+            g, None if grad_rows is None else grad_rows[part], data, zero
+        )
     # [stage, run]: a stage's chunks latest first, each chunk's parts in backward order.
     chunks = np.arange(p)[:, None] + p * np.arange(n // p - 1, -1, -1)[None, :]
     counts = coef[chunks][:, :, parts].reshape(p, -1)

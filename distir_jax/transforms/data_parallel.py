@@ -70,7 +70,14 @@ from distir_jax.ir.typecheck import infer_types
 from distir_jax.ir.types import TensorType, dim_divides, dim_str, has_variants
 from distir_jax.transforms.base import Distributed, InputSlice, Program, Recipe, as_distributed
 
-__all__ = ["MAX_BUCKET_PIECES", "data_parallel", "zero_padding", "zero_shard", "zero_shard_problem"]
+__all__ = [
+    "MAX_BUCKET_PIECES",
+    "data_parallel",
+    "zero_padding",
+    "zero_scatter_attrs",
+    "zero_shard",
+    "zero_shard_problem",
+]
 
 # Most equal pieces a bucket may be cut into; bounds the values one bucket adds.
 MAX_BUCKET_PIECES = 64
@@ -188,8 +195,17 @@ def zero_shard_problem(name: str, weight_type, degree: int) -> str:
 
 
 def zero_padding(weight_type, degree: int) -> int:
-    """Zero rows ZeRO adds to a weight (of fixed dim 0) so ``degree`` replicas divide it."""
-    return -int(weight_type.shape[0]) % degree
+    """Zero rows ZeRO adds to a value's dim 0 so ``degree`` replicas divide it (0 when
+    they do, size-variant dims included; a padded dim has one size, see
+    :func:`zero_shard_problem`)."""
+    rows = weight_type.shape[0]
+    return 0 if dim_divides(rows, degree) else -int(rows) % degree
+
+
+def zero_scatter_attrs(grad_type, degree: int) -> dict:
+    """The attributes ZeRO's ReduceScatter of ``grad_type`` over ``degree`` replicas
+    adds to its group and axis: ``pad`` where its rows must be padded."""
+    return {"pad": True} if zero_padding(grad_type, degree) else {}
 
 
 def zero_shard(total, rows: int, degree: int):
@@ -484,7 +500,7 @@ class _Replicator:
         """ZeRO: reduce-scatters ``grad`` along axis 0; replica r keeps shard r."""
         values = [self.env[r][grad.name] for r in self.replicas]
         names = [f"{grad.name}.dp{r}.shard" for r in self.replicas]
-        pad = {"pad": True} if zero_padding(grad.type, self.degree) else {}
+        pad = zero_scatter_attrs(grad.type, self.degree)
         outs = self._collective("ReduceScatter", values, names, grad, "bwd", axis=0, **pad)
         for r, out in zip(self.replicas, outs, strict=True):
             self.env[r][grad.name] = out
@@ -518,7 +534,7 @@ class _Replicator:
             leaves = [Recipe.leaf(c.name) for c in copies]
             kind = kinds[v.name]
             # ZeRO's shards of a weight's state the degree does not divide are padded: trimmed back.
-            padded = kind == "concat" and v.type.rank and not dim_divides(v.type.shape[0], self.degree)
+            padded = kind == "concat" and v.type.rank and zero_padding(v.type, self.degree)
             size = int(v.type.shape[0]) if padded else None
             combined = Recipe.combine(kind, leaves, axis=0, size=size)
             recipes[v.name] = leaves[0] if self.representative else combined
