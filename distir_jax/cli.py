@@ -2,6 +2,7 @@
 
     distir-jax sweep                      # GPT-3 XL on 16 A100s: which strategy should I run?
     distir-jax sweep --model mlp-small --world-sizes 4,8 --batch-sizes 256 --top-k 5
+    distir-jax simulate --model gpt3-xl --data 4 --pipeline 4 --microbatches 8
     distir-jax simulate --model gpt3-xl --data 4 --pipeline 4 --microbatches 8 --trace trace.json
     distir-jax sweep --parts 4 --part 0   # one of 4 hosts or jobs; then:
     distir-jax merge results/sweep.csv results/sweep.part-*-of-4.csv
@@ -341,15 +342,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_precision_option(m)
     m.add_argument(
+        "--engine",
+        default=None,
+        choices=("fast", "exact"),
+        help="fast: the coarse program a sweep simulates, the same numbers as a sweep's row "
+        "(under a second, GPT-3 175B included); configurations it does not model run exact. "
+        "exact: build the fine program with the real transforms (minutes for GPT-3-sized "
+        "pipelines). Default: fast, or exact with --trace or --full, which need the fine program",
+    )
+    m.add_argument(
         "--full",
         action="store_true",
-        help="simulate every replica instead of one representative per symmetric group",
+        help="simulate every replica instead of one representative per symmetric group (the exact engine)",
     )
     m.add_argument(
         "--trace",
         default=None,
         metavar="PATH",
-        help="write a Chrome trace (one event per op per device) to PATH",
+        help="write a Chrome trace (one event per op per device) to PATH (the exact engine)",
     )
 
     g = sub.add_parser(
@@ -746,7 +756,13 @@ def _print_why_none_fits(table, limit: float | None, under: str) -> None:
 
 
 def _simulate(args) -> int:
-    from search.single import make_config, simulate_config, write_chrome_trace
+    from search._fast import fast_unsupported
+    from search.single import make_config, simulate_config, summarize_config, write_chrome_trace
+
+    fine = bool(args.trace or args.full)  # what needs the fine program's ops
+    if fine and args.engine == "fast":
+        raise ValueError("--trace and --full need the fine program: --engine exact, or leave --engine out")
+    engine = args.engine or ("exact" if fine else "fast")
 
     config = make_config(
         args.model,
@@ -775,11 +791,21 @@ def _simulate(args) -> int:
     if not config.valid:
         print(f"status: invalid ({config.reason})")
         return 1
-    result = simulate_config(config, representative_only=not args.full, precision=args.precision)
+    if fine:
+        result = simulate_config(config, representative_only=not args.full, precision=args.precision)
+    else:
+        result = summarize_config(config, engine=engine, precision=args.precision)
     row = result.row
     print(f"status: {row['status']}" + (f" ({row['reason']})" if row["reason"] else ""))
     if row["status"] == "invalid":
         return 1
+    if row["engine"] == "fast":
+        print("engine: fast (the coarse program a sweep simulates; --engine exact builds the fine one)")
+    elif engine == "fast":  # it fell back, as a sweep's row would
+        why = fast_unsupported(config) or "no coarse program expresses this configuration"
+        print(f"engine: exact ({why})")
+    else:
+        print("engine: exact (the fine program)")
     print(f"step time: {row['step_time_s']:.6g} s")
     print(f"throughput: {row['throughput_samples_per_s']:.6g} samples/s")
     print(

@@ -7,7 +7,15 @@ print(table.top_k(5).format())
 
 from search.evaluate import PRECISIONS, build_function, evaluate
 from search.results import COLUMNS, STATUS_INVALID, STATUS_OK, STATUS_OOM, ResultTable
-from search.single import SingleResult, chrome_trace, make_config, simulate_config, write_chrome_trace
+from search.single import (
+    ConfigSummary,
+    SingleResult,
+    chrome_trace,
+    make_config,
+    simulate_config,
+    summarize_config,
+    write_chrome_trace,
+)
 from search.space import (
     RECOMPUTE,
     SCHEDULES,
@@ -28,6 +36,7 @@ __all__ = [
     "STATUS_OK",
     "STATUS_OOM",
     "Config",
+    "ConfigSummary",
     "ResultTable",
     "SingleResult",
     "StrategySpace",
@@ -40,5 +49,6 @@ __all__ = [
     "factorisations",
     "make_config",
     "simulate_config",
+    "summarize_config",
     "write_chrome_trace",
 ]

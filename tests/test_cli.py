@@ -449,6 +449,31 @@ def test_simulate_prints_the_numbers_and_writes_a_trace(tmp_path, capsys):
     assert sends and len({e["pid"] for e in sends}) == 2
 
 
+def test_simulate_runs_the_fast_engine_with_the_fine_programs_numbers(capsys):
+    pytest.importorskip("distir_jax.transforms.pipeline")
+    argv = ["simulate", "--model", "mlp-xs", "--data", "2", "--pipeline", "2", "--microbatches", "4"]
+    argv += ["--batch-size", "32", "--dtype", "f32", "--zero", "--overlap-grad-comm"]
+    outputs = {}
+    for engine in ("", "exact"):
+        assert main(argv + (["--engine", engine] if engine else [])) == 0
+        outputs[engine or "default"] = capsys.readouterr().out.splitlines()
+    default, exact = outputs["default"], outputs["exact"]
+    assert any(line.startswith("engine: fast") for line in default), default
+    assert "engine: exact (the fine program)" in exact
+    # Everything else it prints (step time, throughput, breakdown, each device's peak) is the same.
+    numbers = {name: [x for x in lines if not x.startswith("engine:")] for name, lines in outputs.items()}
+    assert numbers["default"] == numbers["exact"]
+    assert sum(line.startswith("  device ") for line in default) == 2
+
+
+def test_simulate_with_a_trace_needs_the_exact_engine(tmp_path, capsys):
+    argv = ["simulate", "--model", "mlp-xs", "--pipeline", "2", "--microbatches", "2", "--batch-size", "8"]
+    assert main(argv + ["--engine", "fast", "--trace", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--trace and --full need the fine program" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_simulate_invalid_configuration_says_why(capsys):
     assert main(["simulate", "--model", "mlp-xs", "--data", "4", "--batch-size", "2"]) == 1
     assert "invalid" in capsys.readouterr().out

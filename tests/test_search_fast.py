@@ -156,6 +156,82 @@ def test_fast_and_exact_tables_agree(swept):
     assert fast["simulated_ops"][used].sum() * 3 < exact["simulated_ops"][used].sum()
 
 
+def _per_device(result) -> dict:
+    """A summary's peak bytes by original device, for the devices its ops run on."""
+    used = result.simulated
+    return dict(zip(result.devices[used].tolist(), result.peak_memory_bytes[used].tolist(), strict=True))
+
+
+def _assert_summary_is_the_fine_programs(config, sweep_row=None):
+    from search.single import simulate_config, summarize_config
+
+    fast, exact = summarize_config(config), simulate_config(config)
+    assert (fast.row["engine"], exact.row["engine"]) == ("fast", "exact"), config
+    names = ("step_time_s", "peak_memory_bytes", "compute_time_s", "communication_time_s", "bubble_time_s")
+    for name in names:
+        np.testing.assert_allclose(fast.row[name], exact.row[name], rtol=1e-9, atol=1e-15, err_msg=name)
+        if sweep_row is not None:  # the row a sweep of many configurations gave it
+            np.testing.assert_allclose(fast.row[name], sweep_row[name], rtol=1e-12, atol=1e-15, err_msg=name)
+    assert fast.row["status"] == exact.row["status"]
+    fast_peaks, exact_peaks = _per_device(fast), _per_device(exact)
+    assert sorted(fast_peaks) == sorted(exact_peaks), config
+    np.testing.assert_allclose(
+        [fast_peaks[d] for d in sorted(fast_peaks)], [exact_peaks[d] for d in sorted(fast_peaks)], rtol=1e-9
+    )
+    assert max(fast_peaks.values()) == fast.row["peak_memory_bytes"]
+
+
+def test_a_configuration_summarized_fast_is_its_fine_program_device_by_device(swept):
+    configs, table = swept
+    fast = np.flatnonzero(table["engine"] == "fast")
+    picks = {  # one of each kind: the first in the sweep's order
+        "pipeline, data, ZeRO": lambda c: c.pipeline > 1 and c.data > 1 and c.zero,
+        "tensor, pipeline": lambda c: c.tensor > 1 and c.pipeline > 1,
+        "interleaved, recompute": lambda c: c.virtual_stages > 1 and c.recompute != "none",
+        "overlap": lambda c: c.overlap_grad_comm and c.pipeline > 1,
+    }
+    for name, wanted in picks.items():
+        i = next((i for i in fast if wanted(configs[i])), None)
+        assert i is not None, name
+        _assert_summary_is_the_fine_programs(configs[i], table.row(i))
+
+
+def test_a_long_pipeline_summarized_from_its_steady_program(steady_everywhere):
+    (config,) = [
+        c
+        for c in enumerate_configs(
+            StrategySpace(
+                model=TINY_GPT,
+                world_sizes=(2,),
+                global_batch_sizes=(32,),
+                data=(1,),
+                tensor=(1,),
+                microbatches=(16,),
+                schedules=("1f1b",),
+                optimizer="adam",
+            )
+        )
+        if c.valid
+    ]
+    engine = FastEngine([config])
+    ((_, prepared, _, _),) = engine.prepare([config])
+    assert prepared.steady is not None  # a short program stands for the 16 microbatches
+    _assert_summary_is_the_fine_programs(config)
+
+
+def test_a_summary_the_fast_engine_cannot_give_is_the_exact_engines():
+    from search.single import SingleResult, make_config, summarize_config
+
+    config = make_config(TINY_GPT, world_size=2, tensor=2, sequence_parallel=True, batch_size=4)
+    assert fast_unsupported(config)
+    result = summarize_config(config)
+    assert isinstance(result, SingleResult) and result.row["engine"] == "exact"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        summarize_config(config, engine="quick")
+    with pytest.raises(ValueError, match="invalid configuration"):
+        summarize_config(make_config(TINY_GPT, world_size=4, data=4, batch_size=2))
+
+
 def test_rows_the_fast_engine_does_not_model_run_exact():
     space = StrategySpace(
         model=TINY_GPT,
