@@ -348,18 +348,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="fast: the coarse program a sweep simulates, the same numbers as a sweep's row "
         "(under a second, GPT-3 175B included); configurations it does not model run exact. "
         "exact: build the fine program with the real transforms (minutes for GPT-3-sized "
-        "pipelines). Default: fast, or exact with --trace or --full, which need the fine program",
+        "pipelines). Default: fast, or exact with --full",
     )
     m.add_argument(
         "--full",
         action="store_true",
-        help="simulate every replica instead of one representative per symmetric group (the exact engine)",
+        help="simulate every replica of the fine program instead of one representative per "
+        "symmetric group (the exact engine)",
     )
     m.add_argument(
         "--trace",
         default=None,
         metavar="PATH",
-        help="write a Chrome trace (one event per op per device) to PATH (the exact engine)",
+        help="write a Chrome trace to PATH: an event per pipeline step, message and "
+        "data-parallel op of the coarse program (fast engine), or per op of the fine one (exact)",
     )
 
     g = sub.add_parser(
@@ -757,12 +759,19 @@ def _print_why_none_fits(table, limit: float | None, under: str) -> None:
 
 def _simulate(args) -> int:
     from search._fast import fast_unsupported
-    from search.single import make_config, simulate_config, summarize_config, write_chrome_trace
+    from search.single import (
+        SingleResult,
+        chrome_trace,
+        coarse_chrome_trace,
+        make_config,
+        simulate_config,
+        summarize_config,
+        write_chrome_trace,
+    )
 
-    fine = bool(args.trace or args.full)  # what needs the fine program's ops
-    if fine and args.engine == "fast":
-        raise ValueError("--trace and --full need the fine program: --engine exact, or leave --engine out")
-    engine = args.engine or ("exact" if fine else "fast")
+    if args.full and args.engine == "fast":
+        raise ValueError("--full simulates every replica of the fine program: --engine exact, or no --engine")
+    engine = args.engine or ("exact" if args.full else "fast")
 
     config = make_config(
         args.model,
@@ -791,7 +800,7 @@ def _simulate(args) -> int:
     if not config.valid:
         print(f"status: invalid ({config.reason})")
         return 1
-    if fine:
+    if engine == "exact":
         result = simulate_config(config, representative_only=not args.full, precision=args.precision)
     else:
         result = summarize_config(config, engine=engine, precision=args.precision)
@@ -823,8 +832,13 @@ def _simulate(args) -> int:
             "these. Use --full to simulate all.)"
         )
     if args.trace:
-        write_chrome_trace(result, args.trace)
-        print(f"trace: {os.path.abspath(args.trace)}")
+        if isinstance(result, SingleResult):  # the fine program's
+            trace, what = chrome_trace(result), "an event per op of the fine program"
+        else:
+            trace = coarse_chrome_trace(config, precision=args.precision)
+            what = "an event per pipeline step, message and data-parallel op; --engine exact: per op"
+        write_chrome_trace(trace, args.trace)
+        print(f"trace: {os.path.abspath(args.trace)} ({what})")
     return 0
 
 

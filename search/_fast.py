@@ -55,9 +55,11 @@ from collections.abc import Sequence
 from distir_jax.ir import registered_op_types
 from distir_jax.models import MLPConfig, TransformerConfig
 from distir_jax.transforms.coarse import (
+    PipelineTemplate,
     SplitBlockError,
     layer_features,
     steady_pipeline_program,
+    templated_pipeline_program,
     transform_layers_per_chunk,
     transform_step_costs,
 )
@@ -158,6 +160,36 @@ class FastEngine:
     def _prepare(
         self, config: Config, group: Sequence[Config], steady: bool, settle: int
     ) -> tuple[Prepared, tuple]:
+        features, topology, program_args, sizes = self._program_inputs(config, group)
+        schedule, pipeline = program_args["schedule"], program_args["pipeline"]
+        program, period = steady_pipeline_program(
+            features,
+            topology,
+            **program_args,
+            # Per-layer messages differ by chunk, which a steady period of
+            # interleaved stages does not tell apart.
+            steady=steady and not (features.per_layer and program_args["virtual_stages"] > 1),
+            # A retry: only the longer short programs (possibly none: then the long one).
+            short_microbatches=short_candidates(schedule, pipeline)[settle:] if settle else None,
+        )
+        return compact(program, topology, period), sizes
+
+    def templated(self, config: Config) -> tuple[Prepared, PipelineTemplate]:
+        """``config``'s long coarse program (never a steady short one) and the
+        template it fills, whose ops name the program's (a trace's events).
+
+        Raises:
+          SplitBlockError: when no coarse program expresses it (see :meth:`prepare`).
+          ValueError: when the configuration cannot be built (its reason).
+        """
+        features, topology, program_args, _ = self._program_inputs(config, [config])
+        program, template = templated_pipeline_program(features, topology, **program_args)
+        return compact(program, topology), template
+
+    def _program_inputs(self, config: Config, group: Sequence[Config]) -> tuple:
+        """``(features, topology, program arguments, sizes)`` of ``config``'s coarse
+        program (:func:`~distir_jax.transforms.coarse.coarse_pipeline_program`'s
+        arguments besides the first two), and the microbatch sizes its variants are."""
         key = _measure_key(config)
         sizes = self._sizes.get(key) or tuple(
             sorted({c.microbatch_size for c in group} | {c.microbatch_size * c.data for c in group})
@@ -188,9 +220,7 @@ class FastEngine:
         # The program carries only this key's own microbatch sizes as variants.
         used = sorted({sizes.index(c.microbatch_size) for c in group})
         pc = parallel_config(config)  # the transforms' reading of the row's knobs
-        program, period = steady_pipeline_program(
-            features.take_variants(used),
-            topology,
+        program_args = dict(
             pipeline=pc.pipeline,
             microbatches=pc.microbatches,
             data=pc.data,
@@ -201,13 +231,8 @@ class FastEngine:
             layers_per_chunk=layers,
             step_costs=transform_step_costs(features, layers, variants),
             overlap_segments=True,
-            # Per-layer messages differ by chunk, which a steady period of
-            # interleaved stages does not tell apart.
-            steady=steady and not (features.per_layer and pc.virtual_stages > 1),
-            # A retry: only the longer short programs (possibly none: then the long one).
-            short_microbatches=short_candidates(pc.schedule, pc.pipeline)[settle:] if settle else None,
         )
-        return compact(program, topology, period), tuple(sizes[i] for i in used)
+        return features.take_variants(used), topology, program_args, tuple(sizes[i] for i in used)
 
 
 def _measure_key(config: Config) -> tuple:

@@ -1,6 +1,7 @@
 """One configuration: its result row and peak memory per device (:func:`summarize_config`,
-the sweep's engines), or in detail: every op's timing and a Chrome trace
-(:func:`simulate_config`, the fine program)."""
+the sweep's engines) and a Chrome trace of its coarse program
+(:func:`coarse_chrome_trace`), or in detail: every op's timing and a Chrome
+trace of the fine program (:func:`simulate_config`, :func:`chrome_trace`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from distir_jax.ir import Function
 from distir_jax.lower import lower
+from distir_jax.transforms.coarse import SplitBlockError
 from search._programs import compact, stack_rows
 from search.evaluate import _row, in_precision, simulate_on_host
 from search.space import Config
@@ -133,44 +135,122 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
 
 
 def chrome_trace(result: SingleResult) -> dict:
-    """A Chrome trace (``chrome://tracing`` / Perfetto): one complete event per op per device.
+    """A Chrome trace (``chrome://tracing`` / Perfetto) of the fine program: one
+    complete event per op per device.
 
     Times are microseconds; ``pid`` is the device, ``tid`` the stream.
     """
     events = []
     for i, op in enumerate(result.function.ops):
-        start, finish = result.op_start[i], result.op_finish[i]
         args = {"op": i, "outputs": [v.name for v in op.outputs]}
         for key in ("layer", "phase", "stage", "microbatch"):
             if op.attr(key) is not None:
                 args[key] = op.attr(key)
         for device in result.op_devices[i]:
-            if device < 0:
-                continue
-            events.append(
-                {
-                    "name": op.op_type,
-                    "cat": str(op.attr("phase", "op")),
-                    "ph": "X",
-                    "ts": start * 1e6,
-                    "dur": (finish - start) * 1e6,
-                    "pid": int(device),
-                    "tid": int(result.op_streams[i]),
-                    "args": args,
-                }
-            )
-    for device in result.devices[result.simulated]:
+            if device >= 0:
+                events.append(
+                    _event(
+                        op.op_type,
+                        str(op.attr("phase", "op")),
+                        result.op_start[i],
+                        result.op_finish[i],
+                        device,
+                        result.op_streams[i],
+                        args,
+                    )
+                )
+    return _trace(events, result.devices[result.simulated])
+
+
+# A coarse op's event name and category, by its kind (coarse_pipeline.KIND_NAMES' order).
+_COARSE_EVENTS = (
+    ("forward", "compute"),
+    ("backward", "compute"),
+    ("send activation", "pipeline"),
+    ("send gradient", "pipeline"),
+    ("reduce gradients", "data parallel"),
+    ("update", "data parallel"),
+    ("all-gather", "data parallel"),
+)
+
+
+def coarse_chrome_trace(config: Config, *, precision: str = "float64") -> dict:
+    """A Chrome trace of the coarse program the fast engine simulates for ``config``,
+    at full length (never a steady short program).
+
+    An event is one pipeline step (a chunk's forward or backward of one
+    microbatch; with gradient overlap, a segment of a chunk's last backward),
+    message, gradient reduction, update or all-gather, on the first device of
+    its stage (a send on both of its devices; the other devices of a stage
+    are its replicas). Its args say its chunk, microbatch, stage and segment.
+    Its latest end is the step time :func:`summarize_config` gives. A
+    pipeline of GPT-3 175B takes about a second, where :func:`chrome_trace`
+    of the fine program has an event per op (millions).
+
+    Raises:
+      ValueError: when the configuration is invalid (its reason), or when the
+        fast engine does not model it: then trace the fine program
+        (:func:`simulate_config`, :func:`chrome_trace`).
+    """
+    from search._fast import FastEngine, fast_unsupported
+
+    if not config.valid:
+        raise ValueError(f"invalid configuration: {config.reason}")
+    why = fast_unsupported(config)
+    if why:
+        raise ValueError(f"no coarse program for this configuration: {why}")
+    try:
+        prepared, template = FastEngine([config]).templated(config)
+    except SplitBlockError as err:
+        raise ValueError(f"no coarse program for this configuration: {err}") from None
+    with in_precision(precision):
+        program, hardware = stack_rows([(prepared, 0)], prepared.capacity, 1)
+        _, (start, finish) = simulate_on_host(program, hardware)
+    slots = np.asarray(prepared.program.slot_device)
+    devices = np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1)
+    named = {"chunk": template.chunk, "microbatch": template.microbatch, "stage": template.stage[:, 0]}
+    if template.segment is not None:
+        named["segment"] = template.segment
+    events = []
+    for i in range(template.num_ops):
+        name, category = _COARSE_EVENTS[int(template.kind[i])]
+        args = {"op": i} | {key: int(values[i]) for key, values in named.items() if values[i] >= 0}
+        # A send's receiving end is on the receiver's stream 0 (coarse_pipeline.PipelineTemplate).
+        for device, stream in zip(devices[i], (template.stream[i], 0), strict=True):
+            if device >= 0:
+                events.append(_event(name, category, start[0, i], finish[0, i], device, stream, args))
+    return _trace(events, np.unique(devices[devices >= 0]))
+
+
+def _event(name: str, category: str, start, finish, device, stream, args: dict) -> dict:
+    """A complete event (``ph`` X), times in microseconds."""
+    return {
+        "name": name,
+        "cat": category,
+        "ph": "X",
+        "ts": float(start) * 1e6,
+        "dur": float(finish - start) * 1e6,
+        "pid": int(device),
+        "tid": int(stream),
+        "args": args,
+    }
+
+
+def _trace(events: list, devices) -> dict:
+    """A trace of ``events``, each of ``devices`` named."""
+    for device in devices:
         name = {"name": f"device {device}"}
         events.append({"name": "process_name", "ph": "M", "pid": int(device), "args": name})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(result: SingleResult, path: str | os.PathLike) -> None:
+def write_chrome_trace(result: SingleResult | dict, path: str | os.PathLike) -> None:
+    """Writes :func:`chrome_trace` of ``result``, or a trace already made (a dict), as JSON."""
     parent = os.path.dirname(os.fspath(path))
     if parent:
         os.makedirs(parent, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(chrome_trace(result), f)
+        json.dump(result if isinstance(result, dict) else chrome_trace(result), f)
 
 
 def make_config(

@@ -186,7 +186,8 @@ def test_a_configuration_summarized_fast_is_its_fine_program_device_by_device(sw
     fast = np.flatnonzero(table["engine"] == "fast")
     picks = {  # one of each kind: the first in the sweep's order
         "pipeline, data, ZeRO": lambda c: c.pipeline > 1 and c.data > 1 and c.zero,
-        "tensor, pipeline": lambda c: c.tensor > 1 and c.pipeline > 1,
+        # Stage 1 on device 4: the compacted program's device indices are not the cluster's.
+        "tensor 4, pipeline": lambda c: c.tensor == 4 and c.pipeline == 2,
         "interleaved, recompute": lambda c: c.virtual_stages > 1 and c.recompute != "none",
         "overlap": lambda c: c.overlap_grad_comm and c.pipeline > 1,
     }
@@ -230,6 +231,83 @@ def test_a_summary_the_fast_engine_cannot_give_is_the_exact_engines():
         summarize_config(config, engine="quick")
     with pytest.raises(ValueError, match="invalid configuration"):
         summarize_config(make_config(TINY_GPT, world_size=4, data=4, batch_size=2))
+
+
+def _step_spans(events) -> dict:
+    """``(device, direction, microbatch, chunk) -> (first start, last end)`` in seconds."""
+    spans: dict = {}
+    for key, start, end in events:
+        first, last = spans.get(key, (np.inf, -np.inf))
+        spans[key] = (min(first, start), max(last, end))
+    return spans
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(model="mlp-xs", world_size=4, data=2, pipeline=2, microbatches=4, batch_size=32, dtype="f32"),
+        dict(model=TINY_GPT, world_size=8, tensor=4, pipeline=2, microbatches=4, recompute="attention"),
+        dict(
+            model=TINY_GPT,
+            world_size=4,
+            data=2,
+            pipeline=2,
+            microbatches=4,
+            zero=True,
+            overlap_grad_comm=True,
+        ),
+        dict(
+            model=TINY_GPT, world_size=2, pipeline=2, microbatches=4, schedule="interleaved", virtual_stages=2
+        ),
+    ],
+    ids=["mlp", "tensor-recompute", "zero-overlap", "interleaved"],
+)
+def test_a_coarse_trace_spans_each_steps_fine_ops(knobs):
+    from search.single import coarse_chrome_trace, make_config, simulate_config
+
+    knobs = dict(knobs)
+    config = make_config(knobs.pop("model"), **{"batch_size": 16, "optimizer": "adam"} | knobs)
+    coarse = [e for e in coarse_chrome_trace(config)["traceEvents"] if e["ph"] == "X"]
+    fine = simulate_config(config)
+    # A pipeline step's fine ops: its chunk's and microbatch's, recomputed forwards in its backward.
+    fine_ops = [
+        (i, "bwd" if op.attr("recompute") else op.attr("phase"), op.attr("microbatch"), op.attr("chunk"))
+        for i, op in enumerate(fine.function.ops)
+        if op.op_type != "Send" and op.attr("microbatch") is not None
+    ]
+    want = _step_spans(
+        ((int(d), phase, mb, chunk), fine.op_start[i], fine.op_finish[i])
+        for i, phase, mb, chunk in fine_ops
+        for d in fine.op_devices[i]
+        if d >= 0
+    )
+    direction = {"forward": "fwd", "backward": "bwd"}
+    got = _step_spans(
+        (
+            (e["pid"], direction[e["name"]], e["args"]["microbatch"], e["args"]["chunk"]),
+            e["ts"] / 1e6,
+            (e["ts"] + e["dur"]) / 1e6,
+        )
+        for e in coarse
+        if e["name"] in direction
+    )
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-9, atol=1e-15, err_msg=str(key))
+    end = max(e["ts"] + e["dur"] for e in coarse) / 1e6
+    np.testing.assert_allclose(end, fine.row["step_time_s"], rtol=1e-9)
+    # On each (device, stream) the events run one after the other.
+    for lane in {(e["pid"], e["tid"]) for e in coarse}:
+        times = sorted((e["ts"], e["ts"] + e["dur"]) for e in coarse if (e["pid"], e["tid"]) == lane)
+        assert all(b[0] >= a[1] - 1e-6 for a, b in zip(times, times[1:], strict=False)), lane
+
+
+def test_no_coarse_trace_where_the_fast_engine_does_not_model_the_configuration():
+    from search.single import coarse_chrome_trace, make_config
+
+    config = make_config(TINY_GPT, world_size=2, tensor=2, sequence_parallel=True, batch_size=4)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        coarse_chrome_trace(config)
 
 
 def test_rows_the_fast_engine_does_not_model_run_exact():

@@ -45,6 +45,7 @@ from distir_jax.transforms.coarse_program import (
     stage_devices,
     stage_peak_memory,
     steady_pipeline_program,
+    templated_pipeline_program,
     transform_layers_per_chunk,
     transform_step_costs,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "stage_devices",
     "stage_peak_memory",
     "steady_pipeline_program",
+    "templated_pipeline_program",
     "template_size",
     "transform_layers_per_chunk",
     "transform_step_costs",

@@ -1107,7 +1107,7 @@ def coarse_pipeline_program(
     Returns:
       A Program with features ``[S, N]`` (``N ~ 4 k v p``).
     """
-    program, _ = _pipeline_program(
+    program, _, _ = _pipeline_program(
         features,
         topology,
         pipeline=pipeline,
@@ -1123,6 +1123,15 @@ def coarse_pipeline_program(
         overlap_segments=overlap_segments,
     )
     return program
+
+
+def templated_pipeline_program(features: LayerFeatures, topology: Topology, **kwargs) -> tuple:
+    """:func:`coarse_pipeline_program` (same arguments), and the
+    :class:`PipelineTemplate` it fills: ``(program, template)``, op ``i`` of
+    the one being op ``i`` of the other (its kind, chunk, microbatch and
+    stages name it, e.g. in a trace)."""
+    program, _, template = _pipeline_program(features, topology, **kwargs)
+    return program, template
 
 
 def steady_pipeline_program(
@@ -1153,9 +1162,10 @@ def steady_pipeline_program(
       ``(program, steady_template)``: the short program and its
       SteadyTemplate, or the long program and None.
     """
-    return _pipeline_program(
+    program, short, _ = _pipeline_program(
         features, topology, steady=steady, short_microbatches=short_microbatches, **kwargs
     )
+    return program, short
 
 
 def _pipeline_program(
@@ -1197,4 +1207,5 @@ def _pipeline_program(
     tables = chunk_tables(
         features, layers, p, int(microbatches), data=int(data), zero=bool(zero), mode=mode, segments=segments
     )
-    return realize(template, tables, topology, features.tensor, int(data), num_streams, short), short
+    program = realize(template, tables, topology, features.tensor, int(data), num_streams, short)
+    return program, short, template
