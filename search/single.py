@@ -79,16 +79,15 @@ def simulate_config(
         out, (op_start, op_finish) = simulate_on_host(program, hardware)
         row = _row(config, prepared, 0, {k: v[0] for k, v in out.items()}, "exact")  # the fine program
         n = int(prepared.program.num_ops)
-        slots = np.asarray(prepared.program.slot_device)
         return SingleResult(
             row=row,
             function=fn,
             devices=prepared.devices,
             peak_memory_bytes=prepared.peak_bytes[0],
-            simulated=np.isin(np.arange(len(prepared.devices)), slots[slots >= 0]),
+            simulated=_simulated(prepared),
             op_start=np.asarray(op_start[0, :n], np.float64),
             op_finish=np.asarray(op_finish[0, :n], np.float64),
-            op_devices=np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1),
+            op_devices=_op_devices(prepared),
             op_streams=np.asarray([op.stream for op in fn.ops]),
         )
 
@@ -122,16 +121,22 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
     # The row from a sweep of this one configuration: its steady-state
     # certificate and retries included. The peaks do not depend on those.
     row = evaluate([config], progress=False, engine="fast", precision=precision).row(0)
-    (_, program, variant, _), none = prepared[0], np.zeros(0, np.int64)
-    if program is None:  # the row is invalid, with the reason the preparation gave
-        return ConfigSummary(row, none, np.zeros(0), np.zeros(0, bool))
-    slots = np.asarray(program.program.slot_device)
-    return ConfigSummary(
-        row=row,
-        devices=program.devices,
-        peak_memory_bytes=program.peak_bytes[variant],
-        simulated=np.isin(np.arange(len(program.devices)), slots[slots >= 0]),
-    )
+    _, ready, variant, _ = prepared[0]
+    if ready is None:  # the row is invalid, with the reason the preparation gave
+        return ConfigSummary(row, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool))
+    return ConfigSummary(row, ready.devices, ready.peak_bytes[variant], _simulated(ready))
+
+
+def _op_devices(prepared) -> np.ndarray:
+    """``[N, K]`` the cluster's device of each op slot of a compacted program, -1 for none."""
+    slots = np.asarray(prepared.program.slot_device)
+    return np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1)
+
+
+def _simulated(prepared) -> np.ndarray:
+    """``[D']`` whether any op of a compacted program runs on each of its devices."""
+    slots = np.asarray(prepared.program.slot_device)
+    return np.isin(np.arange(len(prepared.devices)), slots[slots >= 0])
 
 
 def chrome_trace(result: SingleResult) -> dict:
@@ -206,8 +211,7 @@ def coarse_chrome_trace(config: Config, *, precision: str = "float64") -> dict:
     with in_precision(precision):
         program, hardware = stack_rows([(prepared, 0)], prepared.capacity, 1)
         _, (start, finish) = simulate_on_host(program, hardware)
-    slots = np.asarray(prepared.program.slot_device)
-    devices = np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1)
+    devices = _op_devices(prepared)
     named = {"chunk": template.chunk, "microbatch": template.microbatch, "stage": template.stage[:, 0]}
     if template.segment is not None:
         named["segment"] = template.segment
