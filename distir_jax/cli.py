@@ -733,9 +733,48 @@ def _report(table, args, written: list[str], how: str) -> None:
         front = table.pareto_front()
         print(f"\nthroughput vs peak memory Pareto front ({len(front)} configurations):")
         print(front.format())
+        command = simulate_command(best.row(0))
+        if command:
+            print(f"\nthe best one up close (each device's peak, a trace of its pipeline):\n  {command}")
     else:
         _print_why_none_fits(table, limit, under)
     print("\nresults: " + " and ".join(os.path.abspath(p) for p in written))
+
+
+def simulate_command(row: dict, trace: str = "best.json") -> str | None:
+    """The ``distir-jax simulate`` command line of a results row (options at their
+    defaults left out), writing its trace to ``trace``; None for a model that is
+    not a preset (no option names it)."""
+    from distir_jax.models import get_model_config, model_names
+
+    if row["model"] not in model_names():
+        return None
+    defaults = vars(build_parser().parse_args(["simulate"]))
+    defaults["world_size"] = row["data"] * row["tensor"] * row["pipeline"]
+    defaults["seq_len"] = getattr(get_model_config(row["model"]), "seq_len", 0)
+    words = ["distir-jax", "simulate"]
+    for name, column in (
+        ("model", "model"),
+        ("hardware", "hardware"),
+        ("world_size", "world_size"),
+        ("batch_size", "global_batch_size"),
+        ("seq_len", "seq_len"),
+        ("data", "data"),
+        ("tensor", "tensor"),
+        ("pipeline", "pipeline"),
+        ("microbatches", "microbatches"),
+        ("schedule", "schedule"),
+        ("virtual_stages", "virtual_stages"),
+        ("recompute", "recompute"),
+        ("dtype", "dtype"),
+        ("optimizer", "optimizer"),
+    ):
+        if row[column] != defaults[name]:
+            words += ["--" + name.replace("_", "-"), str(row[column])]
+    for flag in ("zero", "sequence_parallel", "overlap_grad_comm"):
+        if row[flag]:
+            words.append("--" + flag.replace("_", "-"))
+    return " ".join(words + ["--trace", trace])
 
 
 def _print_why_none_fits(table, limit: float | None, under: str) -> None:

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from distir_jax.cli import main
+from distir_jax.cli import main, simulate_command
 from search import ResultTable
 
 SMALL_SWEEP = [
@@ -489,6 +489,26 @@ def test_simulate_full_needs_the_exact_engine(capsys):
     assert main(argv + ["--engine", "fast", "--full"]) == 2
     err = capsys.readouterr().err
     assert "--full simulates every replica of the fine program" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sweep_prints_the_command_that_simulates_its_best_row(tmp_path, capsys):
+    pytest.importorskip("distir_jax.transforms.pipeline")
+    out = tmp_path / "sweep.csv"
+    assert main(SMALL_SWEEP + ["--output", str(out), "--zero", "both"]) == 0
+    text = capsys.readouterr().out
+    command = text.split("the best one up close")[1].splitlines()[1].split()
+    assert command[:2] == ["distir-jax", "simulate"] and command[-2:] == ["--trace", "best.json"]
+    trace = tmp_path / "best.json"
+    assert main(command[1:-1] + [str(trace)]) == 0
+    printed = capsys.readouterr().out
+    best = ResultTable.read(out).top_k(1).row(0)
+    assert f"step time: {best['step_time_s']:.6g} s" in printed
+    knobs = f"data {best['data']} x tensor {best['tensor']} x pipeline {best['pipeline']}"
+    assert f"global batch {best['global_batch_size']}: {knobs}" in printed
+    assert trace.exists()
+    # Every knob at its default is left out; a model that is not a preset has no command.
+    assert simulate_command(dict(best, model="MLPConfig(num_layers=2)")) is None
+    assert "--tensor" not in command and "--model" in command  # tensor 1 (the default), mlp-xs (not)
 
 
 def test_simulate_invalid_configuration_says_why(capsys):
