@@ -584,7 +584,7 @@ def _without_repeats(table, paths: Sequence[str], tables: Sequence):
 def _config_ids(path: str) -> set[str]:
     from search import ResultTable
 
-    return set(ResultTable.read(path)["config_id"].tolist())
+    return set(ResultTable.read_columns(path, ["config_id"])["config_id"])
 
 
 def _check_output(path: str, what: str) -> None:

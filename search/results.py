@@ -299,24 +299,31 @@ class ResultTable:
     @classmethod
     def read(cls, path) -> ResultTable:
         """Reads a table written by :meth:`to_csv` or :meth:`to_parquet` (by suffix)."""
+        return cls(cls.read_columns(path, COLUMNS))
+
+    @staticmethod
+    def read_columns(path, names: Iterable[str]) -> dict[str, list]:
+        """Columns ``names`` of a results file (:meth:`read`'s values): a resumed
+        sweep's ids cost a fraction of reading its file whole."""
+        names = list(names)
         if str(path).endswith(".parquet"):
             try:
                 import pyarrow.parquet as pq
             except ImportError:
                 raise ImportError("reading Parquet needs pyarrow; use a .csv results file") from None
-            table = pq.read_table(path)
-            return cls({n: table.column(n).to_pylist() for n in COLUMNS})
+            table = pq.read_table(path, columns=names)
+            return {n: table.column(n).to_pylist() for n in names}
         with open(path, newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
             if header is None or [h for h in header if h in COLUMNS] != list(COLUMNS):
                 raise ValueError(f"{path}: not a results table (expected columns {list(COLUMNS)})")
-            where = {name: header.index(name) for name in COLUMNS}
-            values = {name: [] for name in COLUMNS}
+            where = [(name, header.index(name), COLUMNS[name]) for name in names]
+            values = {name: [] for name in names}
             for line in reader:
-                for name, kind in COLUMNS.items():
-                    values[name].append(_parse(line[where[name]], kind))
-        return cls(values)
+                for name, at, kind in where:
+                    values[name].append(_parse(line[at], kind))
+        return values
 
     def format(self, columns: Sequence[str] | None = None, limit: int | None = None) -> str:
         """A plain-text table of some columns (for terminals)."""

@@ -147,6 +147,18 @@ def test_parquet_and_pandas(tmp_path):
     assert isinstance(frame, pd.DataFrame) and list(frame.columns) == list(COLUMNS) and len(frame) == 9
 
 
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_some_columns_read_as_the_whole_table_has_them(tmp_path, suffix):
+    if suffix == "parquet":
+        pytest.importorskip("pyarrow")
+    path = tmp_path / f"r.{suffix}"
+    HAND_MADE.write(path)
+    some = ResultTable.read_columns(path, ["config_id", "step_time_s", "zero"])
+    assert list(some) == ["config_id", "step_time_s", "zero"]
+    for name, values in some.items():
+        assert values == HAND_MADE[name].tolist(), name
+
+
 def test_read_rejects_other_files(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="not a results table"):
