@@ -753,28 +753,36 @@ def simulate_command(row: dict, trace: str = "best.json") -> str | None:
     defaults["world_size"] = row["data"] * row["tensor"] * row["pipeline"]
     defaults["seq_len"] = getattr(get_model_config(row["model"]), "seq_len", 0)
     words = ["distir-jax", "simulate"]
-    for name, column in (
-        ("model", "model"),
-        ("hardware", "hardware"),
-        ("world_size", "world_size"),
-        ("batch_size", "global_batch_size"),
-        ("seq_len", "seq_len"),
-        ("data", "data"),
-        ("tensor", "tensor"),
-        ("pipeline", "pipeline"),
-        ("microbatches", "microbatches"),
-        ("schedule", "schedule"),
-        ("virtual_stages", "virtual_stages"),
-        ("recompute", "recompute"),
-        ("dtype", "dtype"),
-        ("optimizer", "optimizer"),
-    ):
-        if row[column] != defaults[name]:
-            words += ["--" + name.replace("_", "-"), str(row[column])]
-    for flag in ("zero", "sequence_parallel", "overlap_grad_comm"):
-        if row[flag]:
-            words.append("--" + flag.replace("_", "-"))
+    for name, column in _SIMULATE_KNOBS:
+        option = "--" + name.replace("_", "-")
+        if isinstance(defaults[name], bool):  # a flag (its default: off)
+            words += [option] if row[column] else []
+        elif row[column] != defaults[name]:
+            words += [option, str(row[column])]
     return " ".join(words + ["--trace", trace])
+
+
+# `distir-jax simulate`'s options that are a configuration's knobs, and their
+# results-table columns (make_config takes the options' names).
+_SIMULATE_KNOBS = (
+    ("model", "model"),
+    ("hardware", "hardware"),
+    ("world_size", "world_size"),
+    ("batch_size", "global_batch_size"),
+    ("seq_len", "seq_len"),
+    ("data", "data"),
+    ("tensor", "tensor"),
+    ("pipeline", "pipeline"),
+    ("microbatches", "microbatches"),
+    ("schedule", "schedule"),
+    ("virtual_stages", "virtual_stages"),
+    ("recompute", "recompute"),
+    ("zero", "zero"),
+    ("sequence_parallel", "sequence_parallel"),
+    ("overlap_grad_comm", "overlap_grad_comm"),
+    ("dtype", "dtype"),
+    ("optimizer", "optimizer"),
+)
 
 
 def _print_why_none_fits(table, limit: float | None, under: str) -> None:
@@ -800,7 +808,6 @@ def _simulate(args) -> int:
     from search._fast import fast_unsupported
     from search.single import (
         SingleResult,
-        chrome_trace,
         coarse_chrome_trace,
         make_config,
         simulate_config,
@@ -812,25 +819,7 @@ def _simulate(args) -> int:
         raise ValueError("--full simulates every replica of the fine program: --engine exact, or no --engine")
     engine = args.engine or ("exact" if args.full else "fast")
 
-    config = make_config(
-        args.model,
-        hardware=args.hardware,
-        world_size=args.world_size,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        data=args.data,
-        tensor=args.tensor,
-        pipeline=args.pipeline,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        virtual_stages=args.virtual_stages,
-        recompute=args.recompute,
-        zero=args.zero,
-        sequence_parallel=args.sequence_parallel,
-        overlap_grad_comm=args.overlap_grad_comm,
-        dtype=args.dtype,
-        optimizer=args.optimizer,
-    )
+    config = make_config(args.model, **{name: getattr(args, name) for name, _ in _SIMULATE_KNOBS[1:]})
     print(
         f"{config.model} on {config.preset}, global batch {config.global_batch_size}: data {config.data} x "
         f"tensor {config.tensor} x pipeline {config.pipeline}, {config.microbatches} microbatch(es), "
@@ -872,7 +861,7 @@ def _simulate(args) -> int:
         )
     if args.trace:
         if isinstance(result, SingleResult):  # the fine program's
-            trace, what = chrome_trace(result), "an event per op of the fine program"
+            trace, what = result, "an event per op of the fine program"
         else:
             trace = coarse_chrome_trace(config, precision=args.precision)
             what = "an event per pipeline step, message and data-parallel op; --engine exact: per op"
