@@ -7,6 +7,7 @@ The data flow is one direction::
     Program + Hardware -> simulate() (jit, batched over configurations) -> SimResult
 """
 
+from distir_jax.calibrate import CALIBRATABLE_FIELDS, Calibration, calibrate
 from distir_jax.executor.reference import ReferenceResult, reference_simulate
 from distir_jax.executor.sequential import execute
 from distir_jax.hardware import Hardware, pad_hardware, stack_hardware
@@ -44,11 +45,18 @@ from distir_jax.lower import (
     pad_program,
     stack_programs,
 )
-from distir_jax.presets import get_preset, load_topology, preset_names, save_topology
+from distir_jax.presets import (
+    get_preset,
+    load_topology,
+    preset_names,
+    register_calibrated_preset,
+    save_topology,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CALIBRATABLE_FIELDS",
     "NO_DEVICE",
     "NO_RESOURCE",
     "NO_SLOT",
@@ -56,6 +64,7 @@ __all__ = [
     "STATUS_NAMES",
     "STATUS_OK",
     "STATUS_OUT_OF_MEMORY",
+    "Calibration",
     "Capacity",
     "Function",
     "FunctionBuilder",
@@ -69,6 +78,7 @@ __all__ = [
     "TensorType",
     "Topology",
     "Value",
+    "calibrate",
     "execute",
     "get_preset",
     "get_spec",
@@ -82,6 +92,7 @@ __all__ = [
     "print_function",
     "reference_simulate",
     "register",
+    "register_calibrated_preset",
     "registered_op_types",
     "save_topology",
     "simulate",

@@ -21,6 +21,8 @@ Preset names (`get_preset`):
 * ``"v100-pcie-4"``: one server with 4 V100-16GB PCIe GPUs.
 * ``"dgx-a100-80gb"``: DGX A100 80GB nodes of 8 GPUs (``num_nodes=`` for more).
 * ``"dgx-h100"``: DGX H100 nodes of 8 GPUs (``num_nodes=`` for more).
+* a name given to :func:`register_calibrated_preset`: a preset above with
+  its figures scaled by a calibration (:func:`distir_jax.calibrate.calibrate`).
 * ``"<preset>:<N>"``: ``N`` GPUs of that preset, e.g. ``"dgx-a100-80gb:16"``
   is two DGX A100 nodes and ``"dgx-h100:4"`` half of one node. ``N`` must be
   1..(GPUs per node) or a multiple of the GPUs per node; the V100 server is a
@@ -106,6 +108,7 @@ class _NodeSpec:
     # None for presets that describe a single server with no scale-out network.
     inter_bandwidth: float | None
     inter_latency: float | None
+    launch_overhead: float = KERNEL_LAUNCH_OVERHEAD
 
 
 # NVIDIA V100 Tensor Core GPU datasheet (2020), "V100 for PCIe" column:
@@ -217,7 +220,7 @@ def _build(preset: str, num_devices: int, dtype: str) -> Topology:
         memory_capacity=np.full(num_devices, spec.gpu.memory_capacity),
         link_bandwidth=bandwidth,
         link_latency=latency,
-        launch_overhead=KERNEL_LAUNCH_OVERHEAD,
+        launch_overhead=spec.launch_overhead,
         node_of_device=nodes,
     )
 
@@ -322,6 +325,67 @@ PRESETS: dict[str, Callable[..., Topology]] = {
     "dgx-a100-80gb": dgx_a100,
     "dgx-h100": dgx_h100,
 }
+
+
+def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]) -> None:
+    """Registers preset ``name``: server preset ``base`` with its figures scaled, so
+    that sweeps (``StrategySpace(hardware=...)``) and :func:`get_preset` can name it.
+
+    Args:
+      name: the new preset's name (no ``":"``), not yet registered.
+      base: a registered server preset, e.g. ``"dgx-a100-80gb"``.
+      scales: factors by field, as :attr:`distir_jax.calibrate.Calibration.scales`
+        gives them: ``peak_flops`` (every dtype's peak), ``memory_bandwidth``,
+        ``link_bandwidth`` (within and between nodes), ``link_latency`` and
+        ``launch_overhead``; fields left out keep their figures.
+
+    Raises:
+      ValueError: for a name that is taken or malformed, an unknown base or
+        field, or a factor that is not positive and finite.
+
+    The preset lives in this process (the CLI knows the built-in ones only).
+    """
+    from distir_jax.calibrate import CALIBRATABLE_FIELDS  # the fields a calibration scales
+
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"a preset name is a non-empty string without ':', got {name!r}")
+    if name in PRESETS:
+        raise ValueError(f"preset {name!r} is already registered; pick another name")
+    if base not in _NODES:
+        raise ValueError(f"unknown base preset {base!r}; expected one of {sorted(_NODES)}")
+    unknown = sorted(set(scales) - set(CALIBRATABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"scales: unknown field(s) {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
+    for field, factor in scales.items():
+        if not (isinstance(factor, (int, float, np.number)) and np.isfinite(factor) and factor > 0):
+            raise ValueError(f"scales[{field!r}] must be a positive finite number, got {factor!r}")
+    s = {field: float(scales.get(field, 1.0)) for field in CALIBRATABLE_FIELDS}
+    spec = _NODES[base]
+    gpu = dataclasses.replace(
+        spec.gpu,
+        model=f"{spec.gpu.model} ({name})",
+        peak_flops={dtype: flops * s["peak_flops"] for dtype, flops in spec.gpu.peak_flops.items()},
+        memory_bandwidth=spec.gpu.memory_bandwidth * s["memory_bandwidth"],
+    )
+    networked = spec.inter_bandwidth is not None
+    _NODES[name] = dataclasses.replace(
+        spec,
+        gpu=gpu,
+        intra_bandwidth=spec.intra_bandwidth * s["link_bandwidth"],
+        intra_latency=spec.intra_latency * s["link_latency"],
+        inter_bandwidth=spec.inter_bandwidth * s["link_bandwidth"] if networked else None,
+        inter_latency=spec.inter_latency * s["link_latency"] if networked else None,
+        launch_overhead=spec.launch_overhead * s["launch_overhead"],
+    )
+    dtype = inspect.signature(PRESETS[base]).parameters["dtype"].default
+
+    def constructor(num_nodes: int = 1, dtype: str = dtype) -> Topology:
+        num_nodes = _positive_int(name, "num_nodes", num_nodes)
+        if num_nodes > 1 and not networked:
+            raise ValueError(f"{name}: one server with no network between servers; num_nodes must be 1")
+        return _build(name, _NODES[name].gpus_per_node * num_nodes, dtype)
+
+    PRESETS[name] = constructor
 
 
 def preset_names() -> list[str]:

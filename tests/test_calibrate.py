@@ -1,0 +1,229 @@
+"""Calibration: fitted factors recover a known hardware from its step times."""
+
+import dataclasses
+
+import numpy as np
+import optax
+import pytest
+
+import distir_jax as dj
+
+# Programs that each lean on one field: compute, memory, link bandwidth, link
+# latency, kernel launches, and a mix of all of them on two devices.
+KINDS = ("matmul", "relu", "send_big", "send_small", "launches", "mixed")
+TRUTH = dict(peak_flops=0.55, memory_bandwidth=0.8, link_bandwidth=0.4, link_latency=3.0, launch_overhead=2.0)
+
+
+def _function(kind: str) -> dj.Function:
+    b = dj.FunctionBuilder(kind)
+    if kind == "matmul":
+        y = b.add("MatMul", b.input("x", (4096, 4096)), b.input("w", (4096, 4096)))
+    elif kind == "relu":
+        y = b.add("Relu", b.input("x", (8192, 8192)))
+    elif kind == "send_big":
+        y = b.add("Send", b.input("x", (4096, 4096)), to=1)
+    elif kind == "send_small":
+        y = b.add("Send", b.input("x", (4,)), to=1)
+    elif kind == "launches":
+        y = b.input("x", (8,))
+        for _ in range(20):
+            y = b.add("Relu", y)
+    else:
+        h = b.add("Relu", b.add("MatMul", b.input("x", (1024, 1024)), b.input("w", (1024, 1024))))
+        y = b.add("MatMul", b.add("Send", h, to=1), b.input("w1", (1024, 1024), device=1))
+    return b.build(y)
+
+
+def _scaled(topology: dj.Topology, factors: dict) -> dj.Topology:
+    changes = {k: np.asarray(getattr(topology, k)) * v for k, v in factors.items()}
+    changes["launch_overhead"] = float(changes.get("launch_overhead", topology.launch_overhead))
+    return dataclasses.replace(topology, **changes)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return dj.get_preset("dgx-a100-80gb:8")
+
+
+@pytest.fixture(scope="module")
+def measured_on_truth(base):
+    """Each kind's program (lowered for ``base``) and its step time on the true
+    hardware, from the reference simulator (not the kernel being fitted)."""
+    truth = _scaled(base, TRUTH)
+    functions = [_function(kind) for kind in KINDS]
+    programs = [dj.lower(fn, base) for fn in functions]
+    return programs, np.asarray([dj.reference_simulate(fn, truth).step_time for fn in functions])
+
+
+def test_recovers_every_factor(base, measured_on_truth):
+    programs, measured = measured_on_truth
+    fit = dj.calibrate(programs, measured, base)
+    assert set(fit.scales) == set(TRUTH)
+    for field, factor in TRUTH.items():
+        assert fit.scales[field] == pytest.approx(factor, rel=1e-6), field
+    assert fit.unconstrained == ()
+    np.testing.assert_allclose(fit.predicted, measured, rtol=1e-9)
+    assert np.all(np.abs(fit.initial / measured - 1) > 0.2)  # the nominal numbers were far off
+    assert fit.losses[-1] < 1e-12 < fit.losses[0]
+    # The calibrated topology is what it says: the reference simulator agrees on it.
+    assert fit.topology.name.endswith("(calibrated)")
+    again = [dj.reference_simulate(_function(kind), fit.topology).step_time for kind in KINDS]
+    np.testing.assert_allclose(again, measured, rtol=1e-9)
+    np.testing.assert_allclose(fit.relative_error, 0.0, atol=1e-9)
+
+
+def test_fields_not_measured_are_unconstrained(base):
+    truth = _scaled(base, TRUTH)
+    functions = [_function(kind) for kind in ("matmul", "relu", "launches")]  # one device, no message
+    measured = [dj.reference_simulate(fn, truth).step_time for fn in functions]
+    fit = dj.calibrate([dj.lower(fn, base) for fn in functions], measured, base)
+    assert set(fit.unconstrained) == {"link_bandwidth", "link_latency"}
+    assert fit.scales["link_bandwidth"] == fit.scales["link_latency"] == 1.0
+    for field in ("peak_flops", "memory_bandwidth", "launch_overhead"):
+        assert fit.scales[field] == pytest.approx(TRUTH[field], rel=1e-6)
+
+
+def test_chosen_fields_and_optimizer(base, measured_on_truth):
+    programs, measured = measured_on_truth
+    # The optimizer given is the one used: a zero learning rate moves nothing.
+    still = dj.calibrate(programs, measured, base, optimizer=optax.adam(0.0), steps=3)
+    assert still.scales == dict.fromkeys(still.scales, 1.0)
+    np.testing.assert_array_equal(still.predicted, still.initial)
+    # Only the compute factor, by plain SGD: it fits the matmul's time exactly, a
+    # little below the true 0.55 (it also absorbs the launches' doubled overhead).
+    one = dj.calibrate(programs[:1], measured[:1], base, fields=["peak_flops"], optimizer=optax.sgd(0.5))
+    assert list(one.scales) == ["peak_flops"]
+    np.testing.assert_allclose(one.predicted, measured[:1], rtol=1e-9)
+    assert 0.5 < one.scales["peak_flops"] < TRUTH["peak_flops"]
+
+
+def test_smooth_calibration_lands_near_the_exact_one(base, measured_on_truth):
+    programs, measured = measured_on_truth
+    fit = dj.calibrate(programs, measured, base, temperature=1e-9)
+    for field, factor in TRUTH.items():
+        assert fit.scales[field] == pytest.approx(factor, rel=1e-2), field
+
+
+def test_size_variants_are_measurements(base):
+    b = dj.FunctionBuilder("variants")
+    y = b.add("MatMul", b.input("x", (np.array([1024, 4096]), 4096)), b.input("w", (4096, 4096)))
+    program = dj.lower(b.build(y), base)
+    truth = _scaled(base, {"peak_flops": 0.5})
+    measured = [dj.simulate(program, dj.Hardware.from_topology(truth)).step_time[i] for i in range(2)]
+    fit = dj.calibrate([program], measured, base, fields="peak_flops")
+    assert fit.scales["peak_flops"] == pytest.approx(0.5, rel=1e-4)
+    with pytest.raises(ValueError, match="one per variant"):
+        dj.calibrate([program], measured[:1], base)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(programs=[]), "at least one program"),
+        (dict(measured=[1e-3]), r"2 in all, got shape \(1,\)"),
+        (dict(measured=[1e-3, 0.0]), "positive and finite, got 0.0 at index 1"),
+        (dict(measured=[1e-3, float("nan")]), "positive and finite, got nan at index 1"),
+        (dict(fields=["peak_flop"]), r"unknown \['peak_flop'\]"),
+        (dict(fields=[]), "at least one"),
+        (dict(fields=["peak_flops", "peak_flops"]), "distinct"),
+        (
+            dict(topology=dj.Topology.uniform(8), fields=["link_latency"]),
+            "0 everywhere in topology 'uniform'",
+        ),
+        (dict(topology=dj.Topology.uniform(1)), "lowered for up to 8 devices but topology 'uniform' has 1"),
+        (dict(steps=0), "steps must be an int >= 1"),
+        (dict(optimizer="adam"), "optax.GradientTransformation, got str"),
+    ],
+)
+def test_bad_input_is_named(base, kwargs, message):
+    programs = [dj.lower(_function(kind), base) for kind in ("matmul", "send_big")]
+    args = dict(programs=programs, measured=[1e-3, 1e-3], topology=base) | kwargs
+    with pytest.raises(ValueError, match=message):
+        dj.calibrate(args.pop("programs"), args.pop("measured"), args.pop("topology"), **args)
+
+
+def test_a_program_that_takes_no_time_is_named(base):
+    b = dj.FunctionBuilder("empty")
+    x = b.input("x", (4,))
+    programs = [dj.lower(_function("matmul"), base), dj.lower(b.build(x), base)]
+    with pytest.raises(ValueError, match="program 1 simulates in 0 s"):
+        dj.calibrate(programs, [1e-3, 1e-3], base)
+
+
+def test_programs_for_fewer_devices_use_the_first_ones(base):
+    # Lowered for a 2-device cluster, measured on devices 0 and 1 of the 8-device one.
+    functions = [_function(kind) for kind in ("send_big", "matmul")]
+    truth = _scaled(base, {"link_bandwidth": 0.4, "peak_flops": 0.55})
+    measured = [dj.reference_simulate(fn, truth).step_time for fn in functions]
+    programs = [dj.lower(fn, dj.Topology.uniform(2)) for fn in functions]
+    fit = dj.calibrate(programs, measured, base, fields=["link_bandwidth", "peak_flops"])
+    assert fit.scales == pytest.approx({"link_bandwidth": 0.4, "peak_flops": 0.55}, rel=1e-6)
+    assert fit.topology.num_devices == base.num_devices
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The preset registries, restored after the test."""
+    from distir_jax import presets
+
+    monkeypatch.setattr(presets, "PRESETS", dict(presets.PRESETS))
+    monkeypatch.setattr(presets, "_NODES", dict(presets._NODES))
+    return presets
+
+
+def test_calibrated_preset_is_the_calibrated_topology(base, registry):
+    dj.register_calibrated_preset("a100-measured", "dgx-a100-80gb", TRUTH)
+    assert "a100-measured" in dj.preset_names()
+    for count in (8, 16):
+        nominal, calibrated = dj.get_preset(f"dgx-a100-80gb:{count}"), dj.get_preset(f"a100-measured:{count}")
+        expected = _scaled(nominal, TRUTH)
+        off_diagonal = ~np.eye(count, dtype=bool)  # self-links carry nothing
+        for field in ("peak_flops", "memory_bandwidth", "memory_capacity", "launch_overhead"):
+            np.testing.assert_allclose(getattr(calibrated, field), getattr(expected, field), rtol=1e-15)
+        for field in ("link_bandwidth", "link_latency"):
+            np.testing.assert_allclose(
+                getattr(calibrated, field)[off_diagonal], getattr(expected, field)[off_diagonal], rtol=1e-15
+            )
+        np.testing.assert_array_equal(calibrated.node_of_device, nominal.node_of_device)
+    assert dj.get_preset("a100-measured", num_nodes=2, dtype="f32").num_devices == 16
+
+
+def test_sweeps_name_a_calibrated_preset(registry):
+    from search import StrategySpace, evaluate
+
+    dj.register_calibrated_preset("a100-slow", "dgx-a100-80gb", {"peak_flops": 0.5, "link_bandwidth": 0.5})
+    space = StrategySpace(model="mlp-xs", world_sizes=(2, 4), global_batch_sizes=(64,), microbatches=(2,))
+    nominal = evaluate(space, progress=False)
+    slow = evaluate(space.replace(hardware=("a100-slow",)), progress=False)
+    ok = nominal["status"] == "ok"
+    assert ok.any() and np.array_equal(slow["status"], nominal["status"])
+    assert np.all(slow["step_time_s"][ok] > nominal["step_time_s"][ok])
+    assert set(slow["hardware"]) == {"a100-slow"}
+
+
+@pytest.mark.parametrize(
+    "name, base_name, scales, message",
+    [
+        ("dgx-h100", "dgx-a100-80gb", {}, "'dgx-h100' is already registered"),
+        ("a:b", "dgx-a100-80gb", {}, "without ':'"),
+        ("x", "dgx-a100", {}, "unknown base preset 'dgx-a100'"),
+        ("x", "dgx-a100-80gb", {"memory_capacity": 2.0}, r"unknown field\(s\) \['memory_capacity'\]"),
+        (
+            "x",
+            "dgx-a100-80gb",
+            {"peak_flops": 0.0},
+            r"scales\['peak_flops'\] must be a positive finite number",
+        ),
+    ],
+)
+def test_bad_calibrated_preset_is_named(registry, name, base_name, scales, message):
+    with pytest.raises(ValueError, match=message):
+        dj.register_calibrated_preset(name, base_name, scales)
+    assert name not in registry.PRESETS or name == "dgx-h100"
+
+
+def test_single_server_calibrated_preset_has_one_node(registry):
+    dj.register_calibrated_preset("v100-measured", "v100-pcie-4", {"peak_flops": 0.7})
+    assert dj.get_preset("v100-measured").peak_flops[0] == pytest.approx(0.7 * 14e12)  # f32, as the base
+    with pytest.raises(ValueError, match="num_nodes must be 1"):
+        dj.get_preset("v100-measured", num_nodes=2)
