@@ -7,7 +7,13 @@ The data flow is one direction::
     Program + Hardware -> simulate() (jit, batched over configurations) -> SimResult
 """
 
-from distir_jax.calibrate import CALIBRATABLE_FIELDS, Calibration, calibrate
+from distir_jax.calibrate import (
+    CALIBRATABLE_FIELDS,
+    Calibration,
+    calibrate,
+    load_calibration,
+    save_calibration,
+)
 from distir_jax.executor.reference import ReferenceResult, reference_simulate
 from distir_jax.executor.sequential import execute
 from distir_jax.hardware import Hardware, pad_hardware, stack_hardware
@@ -83,6 +89,7 @@ __all__ = [
     "get_preset",
     "get_spec",
     "infer_types",
+    "load_calibration",
     "load_topology",
     "lower",
     "pad_hardware",
@@ -94,6 +101,7 @@ __all__ = [
     "register",
     "register_calibrated_preset",
     "registered_op_types",
+    "save_calibration",
     "save_topology",
     "simulate",
     "stack_hardware",

@@ -10,10 +10,11 @@ waiting included), not each op's cost in isolation.
 Each calibrated field of the topology gets one factor (an efficiency): every
 device's peak FLOP/s, say, is multiplied by the same ``exp(theta)``. The loss
 is the mean squared log ratio of simulated to measured step times, so a 1 ms
-and a 10 s program weigh alike, and the factors stay positive. Any optax
-transformation minimizes it (default ``optax.adam(0.05)``); the simulation is
-exact (``temperature=None``: the gradient of each max is its winner's) unless
-a temperature smooths it. Everything runs in float64, whatever
+and a 10 s program weigh alike, and the factors stay positive.
+Levenberg-Marquardt minimizes it by default (the kernel's Jacobian by
+forward-mode differentiation, a few iterations); any optax transformation
+may instead. The simulation is exact (``temperature=None``: the derivative
+of each max is its winner's) unless a temperature smooths it. Everything runs in float64, whatever
 ``jax_enable_x64`` says, as sweeps do.
 
 A field the measured programs do not depend on (links, for programs that
@@ -24,7 +25,9 @@ send nothing) keeps factor 1 and is reported in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import json
+import os
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +38,9 @@ from distir_jax.hardware import Hardware
 from distir_jax.ir.topology import Topology
 from distir_jax.kernel import simulate
 from distir_jax.lower import Program, stack_programs
+from distir_jax.presets import register_calibrated_preset
 
-__all__ = ["CALIBRATABLE_FIELDS", "Calibration", "calibrate"]
+__all__ = ["CALIBRATABLE_FIELDS", "Calibration", "calibrate", "load_calibration", "save_calibration"]
 
 # Topology fields that set op durations (memory capacity sets none).
 CALIBRATABLE_FIELDS = ("peak_flops", "memory_bandwidth", "link_bandwidth", "link_latency", "launch_overhead")
@@ -87,7 +91,7 @@ def calibrate(
     *,
     fields: Sequence[str] | None = None,
     optimizer: optax.GradientTransformation | None = None,
-    steps: int = 500,
+    steps: int | None = None,
     temperature: float | None = None,
 ) -> Calibration:
     """Scales ``topology``'s fields so that ``programs`` simulate in their ``measured`` step times.
@@ -100,8 +104,11 @@ def calibrate(
       topology: the cluster the measurements come from, with its nominal numbers.
       fields: which of :data:`CALIBRATABLE_FIELDS` to fit (default: every one
         that is not zero everywhere in ``topology``; a zero field cannot be scaled).
-      optimizer: any optax transformation (default ``optax.adam(0.05)``).
-      steps: optimizer steps.
+      optimizer: None for Levenberg-Marquardt (damped Gauss-Newton on the
+        log ratios, with the kernel's Jacobian), or any optax transformation
+        (``optax.adam(0.05)``, ``optax.lbfgs()``, ...) run on the loss's gradient.
+      steps: most iterations (default: 100 for Levenberg-Marquardt, which stops
+        once a step no longer lowers the loss; 500 optax steps).
       temperature: None for the exact timeline, or a smoothing scale in
         seconds (see :func:`~distir_jax.kernel.simulate`).
 
@@ -111,16 +118,18 @@ def calibrate(
     Raises:
       ValueError: for no programs, a measurement count that does not match
         them, a step time that is not a positive finite number, an unknown or
-        zero field, a program on more devices than ``topology`` has, or
-        ``steps < 1``.
+        zero field, a program on more devices than ``topology`` has, a
+        program that takes no time, or ``steps < 1``.
     """
     if not programs:
         raise ValueError("calibrate needs at least one program")
     fields = _checked_fields(topology, fields)
+    steps = (100 if optimizer is None else 500) if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    optimizer = optax.adam(0.05) if optimizer is None else optimizer
-    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+    if optimizer is not None and not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
         raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
     program = stack_programs(programs)
     measured = _checked_measured(measured, program.flops.shape[0])
@@ -133,35 +142,28 @@ def calibrate(
     with jax.enable_x64(True):
         hardware = _first_devices(topology, devices)
         base = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), hardware)
-
-        def log_step_time(theta):
-            return jnp.log(simulate(program, _scaled(base, fields, theta), temperature=temperature).step_time)
-
         target = jnp.log(jnp.asarray(measured))
 
-        def loss(theta):
-            return jnp.mean((log_step_time(theta) - target) ** 2)
+        def residual(theta):  # [B] log(simulated / measured)
+            step_time = simulate(program, _scaled(base, fields, theta), temperature=temperature).step_time
+            return jnp.log(step_time) - target
 
-        def step(carry, _):
-            theta, state = carry
-            value, grad = jax.value_and_grad(loss)(theta)
-            updates, state = optimizer.update(grad, state, theta)
-            return (optax.apply_updates(theta, updates), state), value
-
-        theta = jnp.zeros(len(fields))
+        theta = np.zeros(len(fields))
         initial = _exact_times(program, base, fields, theta)
         idle = np.flatnonzero(~(initial > 0))
         if idle.size:  # its log has no gradient: nothing to fit it by
             raise ValueError(f"program {idle[0]} simulates in 0 s (no op takes time); leave it out")
-        descend = jax.jit(lambda t: jax.lax.scan(step, (t, optimizer.init(t)), length=steps))
-        (theta, _), losses = descend(theta)
+        if optimizer is None:
+            theta, losses = _levenberg_marquardt(residual, theta, steps)
+        else:
+            theta, losses = _descend(residual, theta, optax.with_extra_args_support(optimizer), steps)
         # Which fields the programs depend on, at the fitted point.
-        sensitivity = np.abs(np.asarray(jax.jacfwd(log_step_time)(theta)))  # [B, F]
+        sensitivity = np.abs(np.asarray(jax.jacfwd(residual)(theta)))  # [B, F]
         most = sensitivity.max(axis=0)
         unconstrained = tuple(f for f, s in zip(fields, most, strict=True) if s < _UNCONSTRAINED)
-        theta = jnp.where(jnp.asarray([f in unconstrained for f in fields]), 0.0, theta)
+        theta = np.where([f in unconstrained for f in fields], 0.0, theta)
         predicted = _exact_times(program, base, fields, theta)
-    scales = {f: float(np.exp(t)) for f, t in zip(fields, np.asarray(theta), strict=True)}
+    scales = {f: float(np.exp(t)) for f, t in zip(fields, theta, strict=True)}
     return Calibration(
         topology=_scaled_topology(topology, scales),
         scales=scales,
@@ -169,8 +171,62 @@ def calibrate(
         measured=measured,
         initial=initial,
         predicted=predicted,
-        losses=np.asarray(losses),
+        losses=losses,
     )
+
+
+def _levenberg_marquardt(residual, theta: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Minimizes ``mean(residual(theta) ** 2)`` by damped Gauss-Newton steps.
+
+    Step times are max-plus in the op costs, so the residuals are piecewise
+    smooth in ``theta`` and nearly linear within a piece: Gauss-Newton lands
+    on the measured times in a few iterations where first-order descent
+    crawls along the narrow valleys of fits with similar programs. The
+    damping (Marquardt's, scaled by each field's curvature) grows until a
+    step lowers the loss, and the loop stops when none does.
+    """
+    evaluate = jax.jit(lambda t: (residual(t), jax.jacfwd(residual)(t)))
+    values = jax.jit(residual)
+    r, jac = (np.asarray(x) for x in evaluate(theta))
+    loss, damping, losses = float(np.mean(r**2)), 1e-3, []
+    for _ in range(steps):
+        losses.append(loss)
+        if loss < 1e-24:  # log ratios of ~1e-12: float64's noise over a program's sums
+            break
+        curvature = np.sqrt(np.sum(jac**2, axis=0)) + 1e-12  # zero for unconstrained fields
+        while damping < 1e12:
+            # (J^T J + damping D^2) delta = -J^T r, as least squares (stable when J^T J is singular).
+            system = np.vstack([jac, np.diag(np.sqrt(damping) * curvature)])
+            delta = np.linalg.lstsq(system, np.concatenate([-r, np.zeros(len(theta))]), rcond=None)[0]
+            trial = np.asarray(values(theta + delta))
+            trial_loss = float(np.mean(trial**2))
+            if trial_loss < loss:
+                break
+            damping *= 4.0
+        else:
+            break  # no step lowers the loss: a minimum
+        theta = theta + delta
+        r, jac = (np.asarray(x) for x in evaluate(theta))
+        loss, damping = float(np.mean(r**2)), max(damping / 3.0, 1e-12)
+    return theta, np.asarray(losses)
+
+
+def _descend(residual, theta: np.ndarray, optimizer, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """``steps`` of ``optimizer`` on ``mean(residual(theta) ** 2)``, in one compiled scan."""
+
+    def loss(t):
+        return jnp.mean(residual(t) ** 2)
+
+    def step(carry, _):
+        t, state = carry
+        value, grad = jax.value_and_grad(loss)(t)
+        # Line-search optimizers (optax.lbfgs) also read the value and the loss itself.
+        updates, state = optimizer.update(grad, state, t, value=value, grad=grad, value_fn=loss)
+        return (optax.apply_updates(t, updates), state), value
+
+    run = jax.jit(lambda t: jax.lax.scan(step, (t, optimizer.init(t)), length=steps))
+    (theta, _), losses = run(jnp.asarray(theta))
+    return np.asarray(theta), np.asarray(losses)
 
 
 def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
@@ -235,3 +291,57 @@ def _scaled_topology(topology: Topology, scales: dict[str, float]) -> Topology:
     if "launch_overhead" in changes:
         changes["launch_overhead"] = float(changes["launch_overhead"])
     return dataclasses.replace(topology, name=f"{topology.name} (calibrated)", **changes)
+
+
+# --- Calibration files: a calibrated preset that another process (the CLI) can load ---
+
+CALIBRATION_FORMAT = "distir-jax calibrated preset"
+CALIBRATION_VERSION = 1
+
+
+def save_calibration(path: str | os.PathLike, name: str, base: str, scales: Mapping[str, float]) -> None:
+    """Writes preset ``name`` (``base`` scaled by ``scales``, as
+    :func:`~distir_jax.presets.register_calibrated_preset` takes them) to a JSON file,
+    after checking it registers; :func:`load_calibration` reads it back."""
+    register_calibrated_preset(name, base, scales)
+    text = {
+        "format": CALIBRATION_FORMAT,
+        "version": CALIBRATION_VERSION,
+        "name": name,
+        "base": base,
+        "scales": {field: float(factor) for field, factor in scales.items()},
+    }
+    with open(path, "w") as f:
+        json.dump(text, f, indent=1)
+        f.write("\n")
+
+
+def load_calibration(path: str | os.PathLike) -> str:
+    """Registers the calibrated preset of a :func:`save_calibration` file (again: a no-op)
+    and returns its name.
+
+    Raises:
+      ValueError: for a file that is not such a file (named, with what is wrong),
+        or a preset that clashes with another of the same name.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"calibration file {os.fspath(path)!r}: {err}") from None
+    keys = {"format", "version", "name", "base", "scales"}
+    if not (isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT and set(data) == keys):
+        raise ValueError(
+            f"calibration file {os.fspath(path)!r}: expected a JSON object with keys {sorted(keys)} "
+            f"and format {CALIBRATION_FORMAT!r}, as save_calibration writes"
+        )
+    if data["version"] != CALIBRATION_VERSION or not isinstance(data["scales"], dict):
+        raise ValueError(
+            f"calibration file {os.fspath(path)!r}: version {data['version']!r} with scales "
+            f"{data['scales']!r}; this release reads version {CALIBRATION_VERSION} with a scales object"
+        )
+    try:
+        register_calibrated_preset(data["name"], data["base"], data["scales"])
+    except ValueError as err:
+        raise ValueError(f"calibration file {os.fspath(path)!r}: {err}") from None
+    return data["name"]

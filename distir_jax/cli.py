@@ -1,4 +1,5 @@
-"""The ``distir-jax`` command: ``sweep`` a strategy space, or ``simulate`` one configuration.
+"""The ``distir-jax`` command: ``sweep`` a strategy space, ``simulate`` one configuration,
+``merge`` a sweep's parts, ``calibrate`` a hardware preset to measured step times.
 
     distir-jax sweep                      # GPT-3 XL on 16 A100s: which strategy should I run?
     distir-jax sweep --model mlp-small --world-sizes 4,8 --batch-sizes 256 --top-k 5
@@ -6,18 +7,25 @@
     distir-jax simulate --model gpt3-xl --data 4 --pipeline 4 --microbatches 8 --trace trace.json
     distir-jax sweep --parts 4 --part 0   # one of 4 hosts or jobs; then:
     distir-jax merge results/sweep.csv results/sweep.part-*-of-4.csv
+    distir-jax calibrate measured.csv --name my-a100   # a preset fitted to measured step times
+    distir-jax sweep --presets results/my-a100.calibration.json --hardware my-a100
 
-Usage errors print one line and exit with status 2.
+Usage errors print one line and exit with status 2; a file that cannot be read or
+written while running prints one line and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+
+from distir_jax.cli_calibrate import add_calibrate_parser, run_calibrate
 
 # The built-in sweep: GPT-3 XL (1.3B) training on two DGX A100 nodes, every
 # degree, schedule, recomputation, ZeRO and gradient-overlap choice (~2,200
@@ -47,13 +55,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _ints(text: str) -> tuple[int, ...]:
+# Larger counts or sizes overflow the int64 arithmetic of the simulator's tables.
+_MAX_INT = 2**62
+
+
+def _int(text: str, least: int) -> int | None:
+    """``text`` as an int in ``[least, _MAX_INT]``, or None."""
     try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+        return None
+    return value if least <= value <= _MAX_INT else None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(_int(x, 1) for x in text.split(",") if x.strip())
+    if not values or None in values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers from 1 to 2**62, got {text!r}")
     return values
 
 
@@ -65,19 +83,16 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _positive_int(text: str) -> int:
-    (value,) = _ints(text) if "," not in text else (None,)
+    value = _int(text, 1)
     if value is None:
-        raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected one integer from 1 to 2**62, got {text!r}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected one integer >= 0, got {text!r}")
+    value = _int(text, 0)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected one integer from 0 to 2**62, got {text!r}")
     return value
 
 
@@ -86,15 +101,54 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not 0 < value < math.inf:  # inf would overflow the int byte counts made from it
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
+
+
+def _one_of(allowed: Sequence[str]):
+    """An argparse type: one name from ``allowed`` (a one-line error naming them otherwise)."""
+
+    def check(text: str) -> str:
+        if text not in allowed:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {text!r}")
+        return text
+
+    return check
+
+
+def _some_of(allowed: Sequence[str]):
+    """An argparse type: comma-separated names, each from ``allowed``."""
+
+    def check(text: str) -> tuple[str, ...]:
+        values = _names(text)
+        unknown = [v for v in values if v not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"expected some of {', '.join(allowed)}, got {', '.join(map(repr, unknown))}"
+            )
+        return values
+
+    return check
+
+
+def _preset(text: str) -> str:
+    """A hardware preset name, optionally with a device count (``dgx-a100-80gb:16``)."""
+    from distir_jax.presets import preset_names
+
+    if text.partition(":")[0] not in preset_names():
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(preset_names())}, got {text!r}")
+    return text
 
 
 def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
     from distir_jax.models import model_names
     from distir_jax.presets import preset_names
+    from search.space import HARDWARE_DTYPE, OPTIMIZERS
 
+    # --dtype takes the model dtypes with a hardware peak: the model configs also take
+    # f64 (numerical tests) and the presets tf32, but no row of either can ever run.
+    dtypes = tuple(HARDWARE_DTYPE)
     names = ", ".join(model_names())
     if many:
         p.add_argument(
@@ -114,10 +168,10 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
         )
         p.add_argument(
             "--dtype",
-            type=_names,
+            type=_some_of(dtypes),
             metavar="NAME,...",
             default=_names(DEFAULT_SWEEP["dtype"]),
-            help="model dtype(s): f32, f16, bf16; sets the hardware's peak FLOP/s (default: bf16)",
+            help=f"model dtype(s): {', '.join(dtypes)}; sets the hardware's peak FLOP/s (default: bf16)",
         )
         p.add_argument(
             "--optimizer",
@@ -131,11 +185,22 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
         p.add_argument("--model", default=model, help=f"model preset, from: {names} (default: {model})")
         p.add_argument(
             "--hardware",
+            type=_preset,
             default="dgx-a100-80gb",
             help=f"hardware preset, from {', '.join(preset_names())} (default: dgx-a100-80gb)",
         )
-        p.add_argument("--dtype", default="bf16", help="model dtype: f32, f16, bf16 (default: bf16)")
-        p.add_argument("--optimizer", default="adam", help="optimizer: sgd or adam (default: adam)")
+        p.add_argument(
+            "--dtype",
+            type=_one_of(dtypes),
+            default="bf16",
+            help=f"model dtype: {', '.join(dtypes)} (default: bf16)",
+        )
+        p.add_argument(
+            "--optimizer",
+            type=_one_of(OPTIMIZERS),
+            default="adam",
+            help="optimizer: sgd or adam (default: adam)",
+        )
     p.add_argument(
         "--seq-len",
         type=_positive_int,
@@ -145,6 +210,8 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from search.space import RECOMPUTE, SCHEDULES
+
     parser = _Parser(
         prog="distir-jax", description="Simulate distributed training strategies with DistIR-JAX."
     )
@@ -200,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches",
         type=_ints,
         metavar="N,...",
-        default=_ints(DEFAULT_SWEEP["microbatches"]),
+        default=None,  # not given: DEFAULT_SWEEP's, unless --microbatch-sizes replaces it
         help=f"microbatch counts for pipelines (default: {DEFAULT_SWEEP['microbatches']}); "
         "runs without a pipeline use 1",
     )
@@ -311,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         "transforms (default: fast)",
     )
     _add_precision_option(s)
+    _add_presets_option(s)
     s.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
     m = sub.add_parser(
@@ -327,20 +395,31 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("data", "data-parallel"), ("tensor", "tensor-parallel"), ("pipeline", "pipeline")):
         m.add_argument(f"--{name}", type=_positive_int, default=1, help=f"{what} degree (default: 1)")
     m.add_argument("--microbatches", type=_positive_int, default=1, help="microbatches (default: 1)")
-    m.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved (default: 1f1b)")
+    m.add_argument(
+        "--schedule",
+        type=_one_of(SCHEDULES),
+        default="1f1b",
+        help="gpipe, 1f1b or interleaved (default: 1f1b)",
+    )
     m.add_argument(
         "--virtual-stages",
         type=_positive_int,
         default=1,
         help="model chunks per device, interleaved schedule only (default: 1)",
     )
-    m.add_argument("--recompute", default="none", help="none, attention or full (default: none)")
+    m.add_argument(
+        "--recompute",
+        type=_one_of(RECOMPUTE),
+        default="none",
+        help="none, attention or full (default: none)",
+    )
     m.add_argument("--zero", action="store_true", help="ZeRO-1 optimizer-state sharding")
     m.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     m.add_argument(
         "--overlap-grad-comm", action="store_true", help="overlap gradient reduction with the backward pass"
     )
     _add_precision_option(m)
+    _add_presets_option(m)
     m.add_argument(
         "--engine",
         default=None,
@@ -376,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("output", help="the joined results file, .csv or .parquet")
     g.add_argument("inputs", nargs="+", metavar="part", help="the parts' results files")
     _add_ranking_options(g)
+    _add_presets_option(g)
+
+    from distir_jax.calibrate import CALIBRATABLE_FIELDS
+
+    add_calibrate_parser(sub, _some_of(CALIBRATABLE_FIELDS))
     return parser
 
 
@@ -439,14 +523,22 @@ def _use_compilation_cache() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (0 ok, 1 failure, 2 usage error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        preset_files = _load_preset_files(argv)
+    except ValueError as err:
+        print(f"distir-jax: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help (0) or a usage error (2): return it, as for the other outcomes
         return int(exit_.code or 0)
+    args.preset_files = preset_files
+    commands = {"sweep": _sweep, "simulate": _simulate, "merge": _merge, "calibrate": run_calibrate}
     try:
         _use_compilation_cache()
-        return {"sweep": _sweep, "simulate": _simulate, "merge": _merge}[args.command](args)
+        return commands[args.command](args)
     except ValueError as err:  # a bad combination of options, found by the library
         print(f"distir-jax {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -456,11 +548,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`distir-jax sweep | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    except OSError as err:  # a file that cannot be read or written (disk full, permissions, ...)
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"distir-jax {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 1
+
+
+def _load_preset_files(argv: Sequence[str]) -> dict[str, str]:
+    """Registers the calibrated presets of ``--presets`` files before the rest of the
+    command line is parsed (``--hardware`` is checked against the preset names):
+    their names and files."""
+    from distir_jax.calibrate import load_calibration
+
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--presets", default="")
+    known, _ = early.parse_known_args(argv)
+    return {load_calibration(path): path for path in _names(known.presets)} if known.presets else {}
+
+
+def _add_presets_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--presets",
+        default="",
+        metavar="FILE,...",
+        help="calibration files (written by `distir-jax calibrate`) whose presets --hardware may name",
+    )
 
 
 def _sweep(args) -> int:
-    from search import StrategySpace, enumerate_configs, evaluate
+    from search import StrategySpace, enumerate_configs, evaluate, factorisations
 
+    if args.microbatches is not None and args.microbatch_sizes is not None:
+        # The space takes sizes over counts: one of them would be ignored.
+        raise ValueError("--microbatches and --microbatch-sizes both set the microbatches: give one of them")
+    if args.microbatches is None and args.microbatch_sizes is None:
+        args.microbatches = _ints(DEFAULT_SWEEP["microbatches"])
     space = StrategySpace(
         model=args.model,
         world_sizes=args.world_sizes,
@@ -481,28 +603,39 @@ def _sweep(args) -> int:
         hardware=args.hardware,
         optimizer=args.optimizer,
     )
+    if True in space.sequence_parallel and not any(
+        t > 1
+        for w in space.world_sizes
+        for _, t, _ in factorisations(w, space.data, space.tensor, space.pipeline)
+    ):  # every row would run without it, silently
+        raise ValueError(
+            f"--sequence-parallel {args.sequence_parallel} needs tensor parallelism, and no "
+            "configuration of this sweep has a tensor degree > 1: allow one with --tensor"
+        )
     _check_output(args.output, "--output")
     part, parts = _sweep_part(args)
     output = _part_path(args.output, part, parts)
+    for path in _copy_paths(output):
+        _check_writable(path, "--output")
     start = time.perf_counter()
     configs = list(enumerate_configs(space))
     mine = configs[part::parts]  # what evaluate takes of them
     this_part = f"; this run is part {part} of {parts}: {len(mine)} of them" if parts > 1 else ""
     print(
-        f"sweeping {len(configs)} configurations of {', '.join(map(str, args.model))} on "
-        f"{', '.join(f'{h}:{w}' for h in args.hardware for w in args.world_sizes)}{this_part} ...",
+        f"sweeping {len(configs)} configurations of {', '.join(map(str, space.model))} on "
+        f"{', '.join(f'{h}:{w}' for h in space.hardware for w in space.world_sizes)}{this_part} ...",
         flush=True,
     )
     if args.engine == "fast":  # say up front which rows take the slow path, and why
         print(_exact_rows_notice(mine), end="", flush=True)
-    if not args.resume and os.path.exists(output):
-        os.remove(output)  # a fresh sweep; evaluate would otherwise resume from it
-    done = _config_ids(output) if os.path.exists(output) else set()
+    done = _config_ids(output) if args.resume and os.path.exists(output) else set()
     # Always through results_path: evaluate checkpoints there, so an interrupted
-    # sweep can go on with --resume.
+    # sweep can go on with --resume. A fresh sweep (resume=False) leaves an earlier
+    # file, and its manifest, as they are until it writes its own rows over them.
     table = evaluate(
         configs,
         results_path=output,
+        resume=args.resume,
         max_configs_per_call=args.chunk_size,
         max_bytes=int(args.chunk_memory * 1e9),
         progress=not args.no_progress,
@@ -535,11 +668,18 @@ def _merge(args) -> int:
     from search.manifest import manifest_path
 
     _check_output(args.output, "the merged file")
+    # The merged file (and its .parquet copy) is written over: never over one of the parts.
+    written = {os.path.realpath(p) for p in _copy_paths(args.output)}
+    for path in args.inputs:
+        if os.path.realpath(path) in written:
+            raise ValueError(f"the merged file would overwrite its input {path!r}: give another output path")
     tables = []
     for path in args.inputs:
-        if not os.path.exists(path):
+        if not os.path.isfile(path):
             raise ValueError(f"no results file {path!r}")
         tables.append(ResultTable.read(path))
+    for path in _copy_paths(args.output):
+        _check_writable(path, "the merged file")
     table = _without_repeats(ResultTable.concat(tables), args.inputs, tables)
     lengths = [len(t) for t in tables]
     order = _sweep_order(args.inputs, lengths)
@@ -592,6 +732,25 @@ def _check_output(path: str, what: str) -> None:
         raise ValueError(f"{what} must end in .csv or .parquet, got {path!r}")
     if str(path).endswith(".parquet") and not _has_pyarrow():
         raise ValueError(f"{what} is .parquet, which needs pyarrow; install it or write a .csv")
+
+
+def _check_writable(path: str, what: str) -> None:
+    """Fails unless a file can be written at ``path`` (making its folder): before a
+    sweep or simulation runs, not once it is done, and before any file is replaced."""
+    if os.path.isdir(path):
+        raise ValueError(f"{what} must be a file, got the directory {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{what} {path!r} cannot be written: {existing!r} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # a file of ours, gone when closed
+            pass
+    except OSError as err:
+        raise ValueError(f"{what} {path!r} cannot be written: {err.strerror or err}") from None
 
 
 def _sweep_part(args) -> tuple[int, int]:
@@ -704,13 +863,19 @@ def _part_path(path: str, part: int | str, parts: int) -> str:
     return f"{root}.part-{part}-of-{parts}{suffix}"
 
 
-def _write_copies(table, path: str) -> list[str]:
-    """The files ``table`` is in: ``path`` (written already) and, next to a .csv, a
-    .parquet copy when pyarrow is installed."""
-    written = [path]
+def _copy_paths(path: str) -> list[str]:
+    """The files a results table written to ``path`` is in: ``path`` and, next to
+    a .csv, a .parquet copy when pyarrow is installed."""
     if path.endswith(".csv") and _has_pyarrow():
-        table.to_parquet(path[: -len(".csv")] + ".parquet")
-        written.append(path[: -len(".csv")] + ".parquet")
+        return [path, path[: -len(".csv")] + ".parquet"]
+    return [path]
+
+
+def _write_copies(table, path: str) -> list[str]:
+    """The files ``table`` is in (:func:`_copy_paths`): ``path``, written already, and its copy."""
+    written = _copy_paths(path)
+    for copy in written[1:]:
+        table.to_parquet(copy)
     return written
 
 
@@ -733,7 +898,7 @@ def _report(table, args, written: list[str], how: str) -> None:
         front = table.pareto_front()
         print(f"\nthroughput vs peak memory Pareto front ({len(front)} configurations):")
         print(front.format())
-        command = simulate_command(best.row(0))
+        command = simulate_command(best.row(0), preset_files=args.preset_files)
         if command:
             print(f"\nthe best one up close (each device's peak, a trace of its pipeline):\n  {command}")
     else:
@@ -741,10 +906,11 @@ def _report(table, args, written: list[str], how: str) -> None:
     print("\nresults: " + " and ".join(os.path.abspath(p) for p in written))
 
 
-def simulate_command(row: dict, trace: str = "best.json") -> str | None:
+def simulate_command(row: dict, trace: str = "best.json", preset_files: dict | None = None) -> str | None:
     """The ``distir-jax simulate`` command line of a results row (options at their
     defaults left out), writing its trace to ``trace``; None for a model that is
-    not a preset (no option names it)."""
+    not a preset (no option names it). ``preset_files``: the calibration file of
+    each calibrated preset (by name), for ``--presets``."""
     from distir_jax.models import get_model_config, model_names
 
     if row["model"] not in model_names():
@@ -753,6 +919,8 @@ def simulate_command(row: dict, trace: str = "best.json") -> str | None:
     defaults["world_size"] = row["data"] * row["tensor"] * row["pipeline"]
     defaults["seq_len"] = getattr(get_model_config(row["model"]), "seq_len", 0)
     words = ["distir-jax", "simulate"]
+    calibrated = (preset_files or {}).get(row["hardware"].partition(":")[0])
+    words += ["--presets", calibrated] if calibrated else []
     for name, column in _SIMULATE_KNOBS:
         option = "--" + name.replace("_", "-")
         if isinstance(defaults[name], bool):  # a flag (its default: off)
@@ -818,12 +986,23 @@ def _simulate(args) -> int:
     if args.full and args.engine == "fast":
         raise ValueError("--full simulates every replica of the fine program: --engine exact, or no --engine")
     engine = args.engine or ("exact" if args.full else "fast")
+    if args.sequence_parallel and args.tensor == 1:  # the configuration would drop it, silently
+        raise ValueError("--sequence-parallel splits the sequence over a tensor group: give --tensor > 1")
 
     config = make_config(args.model, **{name: getattr(args, name) for name, _ in _SIMULATE_KNOBS[1:]})
+    if args.trace:  # before a simulation that may take minutes
+        _check_writable(args.trace, "--trace")
+    switches = (
+        (config.zero, "ZeRO-1"),
+        (config.overlap_grad_comm, "gradient overlap"),
+        (config.sequence_parallel, "sequence parallel"),
+    )
     print(
         f"{config.model} on {config.preset}, global batch {config.global_batch_size}: data {config.data} x "
         f"tensor {config.tensor} x pipeline {config.pipeline}, {config.microbatches} microbatch(es), "
-        f"{config.schedule}, recompute {config.recompute}, {config.dtype}, {config.optimizer}"
+        f"{config.schedule}, recompute {config.recompute}"
+        + "".join(f", {name}" for on, name in switches if on)
+        + f", {config.dtype}, {config.optimizer}"
     )
     if not config.valid:
         print(f"status: invalid ({config.reason})")

@@ -340,25 +340,31 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         ``launch_overhead``; fields left out keep their figures.
 
     Raises:
-      ValueError: for a name that is taken or malformed, an unknown base or
-        field, or a factor that is not positive and finite.
+      ValueError: for a name that is taken (by another preset than this very
+        one) or malformed, an unknown base or field, or a factor that is not
+        positive and finite.
 
-    The preset lives in this process (the CLI knows the built-in ones only).
+    The preset lives in this process; :func:`distir_jax.calibrate.save_calibration`
+    writes it to a file that ``load_calibration`` (and the CLI's ``--presets``) reads back.
     """
     from distir_jax.calibrate import CALIBRATABLE_FIELDS  # the fields a calibration scales
 
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"a preset name is a non-empty string without ':', got {name!r}")
-    if name in PRESETS:
-        raise ValueError(f"preset {name!r} is already registered; pick another name")
     if base not in _NODES:
         raise ValueError(f"unknown base preset {base!r}; expected one of {sorted(_NODES)}")
     unknown = sorted(set(scales) - set(CALIBRATABLE_FIELDS))
     if unknown:
         raise ValueError(f"scales: unknown field(s) {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
     for field, factor in scales.items():
-        if not (isinstance(factor, (int, float, np.number)) and np.isfinite(factor) and factor > 0):
+        number = isinstance(factor, (int, float, np.number)) and not isinstance(factor, (bool, np.bool_))
+        if not (number and np.isfinite(factor) and factor > 0):
             raise ValueError(f"scales[{field!r}] must be a positive finite number, got {factor!r}")
+    signature = (base, tuple(sorted((field, float(factor)) for field, factor in scales.items())))
+    if _CALIBRATED.get(name) == signature:
+        return  # the same preset again (a calibration file loaded twice)
+    if name in PRESETS:
+        raise ValueError(f"preset {name!r} is already registered; pick another name")
     s = {field: float(scales.get(field, 1.0)) for field in CALIBRATABLE_FIELDS}
     spec = _NODES[base]
     gpu = dataclasses.replace(
@@ -386,6 +392,11 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         return _build(name, _NODES[name].gpus_per_node * num_nodes, dtype)
 
     PRESETS[name] = constructor
+    _CALIBRATED[name] = signature
+
+
+# Calibrated presets by name: (base, sorted scales), to tell a repeated registration from a clash.
+_CALIBRATED: dict[str, tuple] = {}
 
 
 def preset_names() -> list[str]:

@@ -5,6 +5,7 @@ table = evaluate(StrategySpace(model="gpt2-xl", world_sizes=16, global_batch_siz
 print(table.top_k(5).format())
 """
 
+from search.calibration import calibrate_configs
 from search.evaluate import PRECISIONS, build_function, evaluate
 from search.results import COLUMNS, STATUS_INVALID, STATUS_OK, STATUS_OOM, ResultTable
 from search.single import (
@@ -42,6 +43,7 @@ __all__ = [
     "SingleResult",
     "StrategySpace",
     "build_function",
+    "calibrate_configs",
     "chrome_trace",
     "coarse_chrome_trace",
     "config_id",

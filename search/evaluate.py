@@ -167,6 +167,7 @@ def evaluate(
     space_or_configs: StrategySpace | Sequence[Config],
     *,
     results_path: str | os.PathLike | None = None,
+    resume: bool = True,
     max_configs_per_call: int | None = None,
     max_bytes: int = 1 << 30,
     progress: bool = True,
@@ -187,6 +188,9 @@ def evaluate(
         ``checkpoint_seconds`` while running, so an interrupted sweep resumes).
         A manifest of the configurations it is to hold is written next to it
         first (:mod:`search.manifest`: ``distir-jax merge`` checks it).
+      resume: keep the rows already in ``results_path`` (see above). False: a
+        fresh sweep, which ignores them and leaves the file and its manifest as
+        they are until it writes its own rows (a checkpoint, or the end) over them.
       max_configs_per_call: most rows in one kernel call. Default: 256 on CPU
         (the kernel's per-step tables then stay in cache: about twice the
         throughput per row of 1024-row calls on a 2-core CPU), 4096 on
@@ -222,13 +226,27 @@ def evaluate(
     # its own float type; the caller's jax_enable_x64 is left as it was.
     with in_precision(precision):
         configs = as_configs(space_or_configs)
-        existing = ResultTable.read(results_path) if results_path and os.path.exists(results_path) else None
+        existing = None
+        if resume and results_path and os.path.exists(results_path):
+            existing = ResultTable.read(results_path)
         done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
         index, count = _process_slice(process_index, process_count)
         if not 0 <= index < count:
             raise ValueError(f"process_index must be in [0, {count}), got {index}")
-        if results_path:  # before any row: an interrupted sweep's file has it too
+        # The manifest comes before any row, so an interrupted sweep's file has it too;
+        # a fresh sweep's (resume=False) comes with its first rows, not over the
+        # manifest of a file it has not replaced yet.
+        if results_path and resume:
             write_manifest(results_path, configs, index, count)
+        manifest_due = bool(results_path) and not resume
+
+        def write(table):
+            nonlocal manifest_due
+            if manifest_due:
+                write_manifest(results_path, configs, index, count)
+                manifest_due = False
+            _write_atomic(table, results_path)
+
         # The slice first, then what is done: a host resumed from its own results file
         # (which holds its slice only) goes on with its slice, whatever the others did.
         todo = [c for c in configs[index::count] if c.config_id not in done_ids]
@@ -241,7 +259,7 @@ def evaluate(
             for row in new_rows:
                 rows[row["config_id"]] = row
             if results_path and time.perf_counter() - last_checkpoint[0] > checkpoint_seconds:
-                _write_atomic(_merge(configs, existing, rows), results_path)
+                write(_merge(configs, existing, rows))
                 last_checkpoint[0] = time.perf_counter()
 
         invalid = [ResultTable.row_for(c, INVALID, c.reason, invalid_metrics()) for c in todo if not c.valid]
@@ -286,7 +304,7 @@ def evaluate(
         bar.close()
         table = _merge(configs, existing, rows)
         if results_path:
-            _write_atomic(table, results_path)
+            write(table)
         return table
 
 

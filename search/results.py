@@ -326,8 +326,18 @@ class ResultTable:
         return values
 
     def format(self, columns: Sequence[str] | None = None, limit: int | None = None) -> str:
-        """A plain-text table of some columns (for terminals)."""
-        columns = list(columns or DISPLAY_COLUMNS)
+        """A plain-text table of some columns (for terminals). By default
+        :data:`DISPLAY_COLUMNS`, and each knob of :data:`VARYING_COLUMNS` that takes
+        more than one value in this table: otherwise rows that differ only in it
+        (bf16 and f16, say) would print alike."""
+        if columns is None:
+            varying = {c for c in VARYING_COLUMNS if len(set(self._columns[c].tolist())) > 1}
+            columns = [c for c in VARYING_COLUMNS if c in varying and c != "sequence_parallel"]
+            for c in DISPLAY_COLUMNS:
+                columns.append(c)
+                if c == "zero" and "sequence_parallel" in varying:  # with the other switches
+                    columns.append("sequence_parallel")
+        columns = list(columns)
         shown = min(len(self), limit or len(self))
         rows = [[_show(self._columns[c][i], c) for c in columns] for i in range(shown)]
         header = [DISPLAY_NAMES.get(c, c) for c in columns]
@@ -355,6 +365,8 @@ DISPLAY_COLUMNS = (
     "communication_time_s",
     "bubble_time_s",
 )
+# Knobs :meth:`ResultTable.format` shows only where they vary (most sweeps fix them).
+VARYING_COLUMNS = ("model", "hardware", "dtype", "optimizer", "sequence_parallel")
 DISPLAY_NAMES = {
     "microbatches": "mb",
     "global_batch_size": "batch",
@@ -369,6 +381,7 @@ DISPLAY_NAMES = {
     "pipeline": "p",
     "virtual_stages": "v",
     "overlap_grad_comm": "overlap",
+    "sequence_parallel": "seq par",
 }
 
 

@@ -164,7 +164,10 @@ class StrategySpace:
         presets = preset_names()
         unknown = [h for h in self.hardware if h.partition(":")[0] not in presets]
         if unknown:
-            raise ValueError(f"hardware: unknown preset(s) {unknown}; expected some of {presets}")
+            raise ValueError(
+                f"hardware: unknown preset(s) {unknown}; expected some of {presets} (a calibrated "
+                "preset is registered first: register_calibrated_preset, or the CLI's --presets)"
+            )
         # Degrees restrict the factorisations; restricted to none, the sweep would be
         # empty with no row to say why. (A world size some other one leaves rows for
         # is a restriction, as asked: world sizes 1 and 8 with tensor 2.)
@@ -458,7 +461,9 @@ def as_configs(space_or_configs: StrategySpace | Sequence[Config]) -> list[Confi
     for c in space_or_configs:
         if not isinstance(c, Config):
             raise ValueError(f"expected a StrategySpace or Config rows, got {type(c).__name__}")
-        if c.model_config is None:  # a row made by hand: resolve its preset name
+        # A row made by hand: resolve its preset name. (An invalid row is never built,
+        # and one of a dtype the model does not take has no model to resolve.)
+        if c.model_config is None and c.valid:
             c = dataclasses.replace(c, model_config=resolve_model(c.model, c.dtype, c.seq_len or None))
         configs.append(c)
     return configs

@@ -1,5 +1,6 @@
 """The distir-jax command line: sweep, simulate, help and usage errors."""
 
+import importlib
 import json
 import os
 import re
@@ -533,3 +534,255 @@ def test_sweep_says_up_front_which_rows_need_the_exact_engine():
         "built with the transforms): the fast engine does not model sequence parallelism\n"
     )
     assert _exact_rows_notice([c for c in configs if not c.sequence_parallel]) == ""
+
+
+# --- Defects found by fuzzing the command line --------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["sweep", "--output", "{tmp}/a.csv/x.csv"], "a.csv' is a file"),
+        (["sweep", "--output", "{tmp}/folder.csv"], "directory"),
+        (["sweep", "--output", "{tmp}/folder.csv", "--resume"], "directory"),
+        (["simulate", "--model", "mlp-xs", "--trace", "{tmp}/folder.csv"], "directory"),
+        (["simulate", "--model", "mlp-xs", "--trace", "{tmp}/a.csv/t.json"], "a.csv' is a file"),
+        (["merge", "{tmp}/folder.csv", "{tmp}/a.csv"], "directory"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_a_one_line_error(argv, named, tmp_path, capsys):
+    (tmp_path / "a.csv").write_text("x\n")
+    (tmp_path / "folder.csv").mkdir()
+    if argv[0] == "merge":  # a real results file to merge
+        assert main(SMALL_SWEEP + ["--output", str(tmp_path / "a.csv")]) == 0
+        capsys.readouterr()
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if argv[0] == "sweep":
+        argv += ["--model", "mlp-xs", "--world-sizes", "2"]
+    assert named in _one_line_error(capsys, 2, argv)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_output_under_proc_is_a_one_line_error(capsys):
+    err = _one_line_error(capsys, 2, ["sweep", "--model", "mlp-xs", "--output", "/proc/o.csv"])
+    assert "'/proc/o.csv' cannot be written" in err
+    err = _one_line_error(capsys, 2, ["simulate", "--model", "mlp-xs", "--trace", "/proc/x.json"])
+    assert "'/proc/x.json' cannot be written" in err
+
+
+def test_a_file_error_while_running_is_a_one_line_error_with_status_1(tmp_path, capsys, monkeypatch):
+    evaluate_module = importlib.import_module("search.evaluate")  # `search.evaluate` is the function
+
+    def disk_full(table, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(evaluate_module, "_write_atomic", disk_full)
+    out = tmp_path / "sweep.csv"
+    err = _one_line_error(capsys, 1, SMALL_SWEEP + ["--output", str(out)])
+    assert err == f"distir-jax sweep: error: {out}: No space left on device"
+
+
+BIG = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sweep", "--chunk-memory", "inf"],
+        ["sweep", "--memory-limit", "inf"],
+        ["sweep", "--batch-sizes", BIG],
+        ["sweep", "--microbatches", BIG],
+        ["sweep", "--seq-len", BIG],
+        ["sweep", "--part", BIG],
+        ["simulate", "--batch-size", BIG],
+    ],
+)
+def test_numbers_too_large_for_the_simulator_are_usage_errors(argv, tmp_path, capsys):
+    if argv[0] == "sweep":
+        argv = argv + ["--model", "mlp-xs", "--world-sizes", "2", "--output", str(tmp_path / "x.csv")]
+    err = _one_line_error(capsys, 2, argv)
+    assert f"argument {argv[1]}:" in err and repr(argv[2]) in err
+
+
+def test_a_failed_sweep_leaves_the_existing_results_file_alone(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "e.csv"
+    manifest = tmp_path / "e.manifest.json"
+    assert main(SMALL_SWEEP + ["--output", str(out)]) == 0
+    before = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    assert out in before and manifest in before
+    # Refused up front (a dtype no row can run with) ...
+    _one_line_error(capsys, 2, SMALL_SWEEP + ["--output", str(out), "--dtype", "tf32"])
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
+    # ... or failing once the sweep runs: a fresh sweep replaces the file only with its own rows.
+    evaluate_module = importlib.import_module("search.evaluate")  # `search.evaluate` is the function
+
+    def fail(self):
+        raise ValueError("a transform failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(evaluate_module._Batcher, "flush_all", fail)
+        err = _one_line_error(capsys, 2, SMALL_SWEEP + ["--output", str(out), "--batch-sizes", "8"])
+    assert "a transform failed" in err
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert main(SMALL_SWEEP + ["--output", str(out), "--batch-sizes", "8"]) == 0
+    assert set(ResultTable.read(out)["global_batch_size"].tolist()) == {8}
+    assert manifest.read_bytes() != before[manifest]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sweep", "--dtype", "f64"],
+        ["sweep", "--dtype", "bf16,tf32"],
+        ["simulate", "--dtype", "f64"],
+        ["simulate", "--dtype", "tf32"],
+    ],
+)
+def test_dtype_takes_exactly_what_its_help_lists(argv, capsys):
+    from search.space import HARDWARE_DTYPE
+
+    err = _one_line_error(capsys, 2, argv)
+    assert "argument --dtype:" in err and ", ".join(HARDWARE_DTYPE) in err
+    assert main([argv[0], "--help"]) == 0
+    assert f"dtype: {', '.join(HARDWARE_DTYPE)}" in capsys.readouterr().out.replace("dtype(s)", "dtype")
+
+
+def test_merge_never_overwrites_one_of_its_inputs(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "p.csv"
+    for part in range(2):
+        assert main(SMALL_SWEEP + ["--output", str(out), "--parts", "2", "--part", str(part)]) == 0
+    parts = [tmp_path / f"p.part-{i}-of-2.csv" for i in range(2)]
+    before = parts[0].read_bytes()
+    capsys.readouterr()
+    err = _one_line_error(capsys, 2, ["merge", str(parts[0]), str(parts[0]), str(parts[1])])
+    assert "would overwrite its input" in err and str(parts[0]) in err
+    monkeypatch.chdir(tmp_path)  # the same file by another name
+    _one_line_error(capsys, 2, ["merge", f"./{parts[1].name}", str(parts[0]), str(parts[1])])
+    assert parts[0].read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["sweep", "--microbatches", "2", "--microbatch-sizes", "4"], "give one of them"),
+        (["simulate", "--model", "mlp-xs", "--sequence-parallel"], "--tensor > 1"),
+        (["sweep", "--world-sizes", "4", "--tensor", "1", "--sequence-parallel", "yes"], "tensor degree > 1"),
+        (["sweep", "--world-sizes", "1", "--sequence-parallel", "both"], "tensor degree > 1"),
+    ],
+)
+def test_contradictory_options_are_usage_errors(argv, says, tmp_path, capsys):
+    if argv[0] == "sweep":
+        argv = argv + ["--model", "mlp-xs", "--output", str(tmp_path / "x.csv")]
+    err = _one_line_error(capsys, 2, argv)
+    assert says in err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["sweep", "--top-k", "0"], "argument --top-k: expected one integer from 1"),
+        (["sweep", "--chunk-size", "0"], "argument --chunk-size: expected one integer from 1"),
+        (["sweep", "--parts", "0"], "argument --parts: expected one integer from 1"),
+        (["sweep", "--seq-len", "0"], "argument --seq-len: expected one integer from 1"),
+        (["simulate", "--batch-size", "0"], "argument --batch-size: expected one integer from 1"),
+        (["simulate", "--data", "0"], "argument --data: expected one integer from 1"),
+        (["simulate", "--schedule", "foo"], "argument --schedule: expected one of gpipe, 1f1b, interleaved"),
+        (["simulate", "--hardware", "foo"], "argument --hardware: expected one of dgx-a100-80gb,"),
+        (["simulate", "--recompute", "most"], "argument --recompute: expected one of none, attention"),
+    ],
+)
+def test_errors_name_the_option_and_what_it_takes(argv, says, capsys):
+    assert says in _one_line_error(capsys, 2, argv)
+
+
+def test_printed_tables_show_the_knobs_that_vary(tmp_path, capsys):
+    pytest.importorskip("distir_jax.transforms.parallelize")
+    out = tmp_path / "s.csv"
+    argv = SMALL_SWEEP + ["--output", str(out), "--world-sizes", "2,2", "--top-k", "4"]
+    assert main(argv + ["--dtype", "bf16,f16", "--hardware", "dgx-a100-80gb,dgx-a100-80gb"]) == 0
+    text = capsys.readouterr().out
+    assert "configurations of mlp-xs on dgx-a100-80gb:2 ..." in text  # each preset once
+    top = text.split("top 4 by throughput:\n")[1].splitlines()
+    assert top[0].split()[:2] == ["dtype", "d"] and {line.split()[0] for line in top[1:5]} == {"bf16", "f16"}
+    # One value of each: the columns of a plain sweep.
+    assert main(argv) == 0
+    top = capsys.readouterr().out.split("top 4 by throughput:\n")[1].splitlines()
+    assert top[0].split()[:4] == ["d", "t", "p", "mb"]
+
+
+def test_simulate_says_which_switches_are_on(capsys):
+    pytest.importorskip("distir_jax.transforms.parallelize")
+    argv = ["simulate", "--model", "mlp-xs", "--data", "2", "--tensor", "2", "--batch-size", "32"]
+    assert main(argv + ["--zero", "--overlap-grad-comm", "--sequence-parallel", "--dtype", "f32"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("recompute none, ZeRO-1, gradient overlap, sequence parallel, f32, adam")
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("recompute none, bf16, adam")
+
+
+def test_calibrate_then_sweep_and_simulate_on_the_calibrated_preset(tmp_path, capsys, monkeypatch):
+    """The workflow: a sweep's rows with their measured step times -> `calibrate` ->
+    a calibration file that `sweep --presets` and `simulate --presets` load."""
+    from lab_measurements import lab_rows, write_measurements
+
+    import distir_jax as dj
+    from distir_jax import presets
+
+    for registry in ("PRESETS", "_NODES", "_CALIBRATED"):  # this test's presets go with it
+        monkeypatch.setattr(presets, registry, dict(getattr(presets, registry)))
+    truth = dict(
+        peak_flops=0.5, memory_bandwidth=0.75, link_bandwidth=0.4, link_latency=2.0, launch_overhead=1.5
+    )
+    dj.register_calibrated_preset("a100-lab-truth", "dgx-a100-80gb", truth)
+    rows = lab_rows(tmp_path / "lab.csv", "a100-lab-truth")
+    # "Run" on the lab's cluster, nominally DGX A100s.
+    write_measurements(tmp_path / "measured.csv", rows[:: len(rows) // 8][:8], hardware="dgx-a100-80gb")
+
+    calibration = tmp_path / "lab.calibration.json"
+    argv = ["calibrate", str(tmp_path / "measured.csv"), "--name", "a100-lab", "--output", str(calibration)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for field, factor in truth.items():
+        assert re.search(rf"^  {field} +{factor:.4g}$", out, re.M), out
+    assert f"distir-jax sweep --presets {calibration} --hardware a100-lab" in out
+    assert json.loads(calibration.read_text())["scales"] == pytest.approx(truth, rel=1e-6)
+
+    # Another process would start without the preset: only the file brings it back.
+    for registry in ("PRESETS", "_NODES", "_CALIBRATED"):
+        table = {k: v for k, v in getattr(presets, registry).items() if k != "a100-lab"}
+        monkeypatch.setattr(presets, registry, table)
+    sweep = ["sweep", "--model", "mlp-small", "--world-sizes", "4", "--batch-sizes", "64", "--no-progress"]
+    sweep += ["--hardware", "a100-lab", "--output", str(tmp_path / "calibrated.csv")]
+    # The lab sweep's other knobs, so its rows hold the truth for every row of this one.
+    sweep += ["--dtype", rows[0]["dtype"], "--optimizer", rows[0]["optimizer"], "--microbatches", "2"]
+    sweep += ["--schedules", "1f1b", "--zero", "no", "--overlap", "no"]
+    assert _one_line_error(capsys, 2, sweep)  # without --presets the name is unknown
+    assert main(sweep + ["--presets", str(calibration)]) == 0
+    command = capsys.readouterr().out.split("up close")[1].splitlines()[1].split()
+    assert command[:4] == ["distir-jax", "simulate", "--presets", str(calibration)]
+    calibrated = ResultTable.read(tmp_path / "calibrated.csv")
+    best = calibrated.top_k(1)
+    # The printed command simulates the best row on the calibrated preset, with its step time.
+    assert main(command[1:-2]) == 0
+    assert f"step time: {best['step_time_s'][0]:.6g}" in capsys.readouterr().out.replace(" s,", ",")
+    # Which is the truth's step time for that strategy, where the fit is exact.
+    true_rows = ResultTable.read(tmp_path / "lab.csv")
+    same = [i for i in range(len(true_rows)) if _same_strategy(true_rows.row(i), best.row(0))]
+    assert same and true_rows["step_time_s"][same[0]] == pytest.approx(best["step_time_s"][0], rel=1e-9)
+
+
+def _same_strategy(a: dict, b: dict) -> bool:
+    from search import Config
+
+    return all(a[k] == b[k] for k in Config.KNOBS if k != "hardware")
+
+
+def test_calibrate_errors_are_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "none.csv")
+    assert "No such file" in _one_line_error(capsys, 2, ["calibrate", missing, "--name", "x"])
+    assert "--name" in _one_line_error(capsys, 2, ["calibrate", missing, "--name", "a:b"])
+    fields = _one_line_error(capsys, 2, ["calibrate", missing, "--name", "x", "--fields", "flops"])
+    assert "expected some of peak_flops" in fields
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert "calibration file" in _one_line_error(capsys, 2, ["sweep", "--presets", str(bad)])

@@ -488,3 +488,31 @@ def test_sweeps_keep_full_collections_off_older_objects_and_restore_the_callers_
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_a_dtype_the_model_does_not_take_gives_invalid_rows():
+    """tf32 is a compute dtype of the presets, not a model dtype: each row says so
+    (as an unknown dtype's do) instead of the sweep raising once it has started."""
+    configs = list(enumerate_configs(StrategySpace(model="mlp-xs", world_sizes=(1, 2), dtype="tf32")))
+    table = evaluate(configs, progress=False)  # rows, as the command line passes them
+    assert len(table) > 0 and set(table["status"].tolist()) == {"invalid"}
+    assert all("dtype must be one of" in reason for reason in table["reason"].tolist())
+
+
+def test_a_fresh_sweep_replaces_an_earlier_file_only_with_its_rows(tmp_path, monkeypatch):
+    path, manifest = tmp_path / "r.csv", tmp_path / "r.manifest.json"
+    space = StrategySpace(model="mlp-xs", world_sizes=(2,), global_batch_sizes=(8, 16))
+    evaluate(space.replace(global_batch_sizes=(8,)), results_path=path, progress=False)
+    before = path.read_bytes(), manifest.read_bytes()
+
+    def fail(self):
+        raise ValueError("a transform failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(evaluate_module._Batcher, "flush_all", fail)
+        with pytest.raises(ValueError, match="a transform failed"):
+            evaluate(space, results_path=path, resume=False, progress=False)
+    assert (path.read_bytes(), manifest.read_bytes()) == before
+    fresh = evaluate(space, results_path=path, resume=False, checkpoint_seconds=0, progress=False)
+    assert ResultTable.read(path) == fresh == evaluate(space, progress=False)
+    assert len(json.loads(manifest.read_text())["config_ids"]) == len(fresh)

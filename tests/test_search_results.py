@@ -194,3 +194,19 @@ def test_progress_falls_back_to_a_plain_printer_without_tqdm(monkeypatch, capsys
     quiet.update(10)
     quiet.close()
     assert capsys.readouterr().err == ""
+
+
+def test_format_adds_the_knobs_that_vary_in_the_table():
+    """Rows that differ only in dtype, optimizer, model, hardware or sequence
+    parallelism would print alike: each such knob gets a column where it varies."""
+    plain = HAND_MADE.top_k(3).format().splitlines()[0].split()
+    assert plain[:4] == ["d", "t", "p", "mb"]  # one value of each: the usual columns
+    columns = {name: HAND_MADE[name].copy() for name in HAND_MADE.columns}
+    columns["dtype"] = np.array(["bf16", "f16"] * 4 + ["bf16"], object)
+    columns["optimizer"] = np.array(["adam"] * 9, object)
+    columns["sequence_parallel"] = np.arange(9) % 3 == 0
+    text = ResultTable(columns).format()
+    header = text.splitlines()[0].split()
+    assert header[:2] == ["dtype", "d"] and "optimizer" not in header
+    assert header[header.index("zero") + 1 : header.index("zero") + 4] == ["seq", "par", "overlap"]
+    assert ResultTable(columns).format(columns=["data"]).splitlines()[0].split() == ["d"]

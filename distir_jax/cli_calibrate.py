@@ -1,0 +1,87 @@
+"""``distir-jax calibrate``: a hardware preset fitted to measured step times.
+
+The measurements are a CSV file of strategies that were run, as rows of a
+results table (a sweep's file, cut to those rows) with a column of measured
+seconds per step. The fit is written as a calibration file that ``sweep`` and
+``simulate`` load with ``--presets``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+DEFAULT_DIRECTORY = "results"
+
+
+def add_calibrate_parser(sub, field_names) -> None:
+    """The ``calibrate`` subcommand's options (``field_names``: parses ``--fields``)."""
+    from distir_jax.calibrate import CALIBRATABLE_FIELDS
+    from search.calibration import MEASURED_COLUMN
+
+    c = sub.add_parser(
+        "calibrate",
+        help="fit a hardware preset to measured step times",
+        description="Fit one factor per hardware figure (peak FLOP/s, memory bandwidth, link "
+        "bandwidth and latency, kernel launch overhead) of the strategies' preset so that their "
+        "simulated step times match measured ones, and write the calibrated preset to a file "
+        "that `sweep --presets` and `simulate --presets` load. MEASUREMENTS is a CSV file with a "
+        "results table's knob columns (model, hardware, world_size, global_batch_size, seq_len, "
+        "data, tensor, pipeline, microbatches, schedule, virtual_stages, recompute, zero, "
+        f"sequence_parallel, overlap_grad_comm, dtype, optimizer) and {MEASURED_COLUMN}: a "
+        "sweep's results file cut to the strategies you ran, with that column added.",
+    )
+    c.add_argument("measurements", help="the measurements CSV file")
+    c.add_argument("--name", required=True, help="the calibrated preset's name (no ':')")
+    c.add_argument(
+        "--output",
+        default=None,
+        metavar="PATH",
+        help=f"the calibration file to write (default: {DEFAULT_DIRECTORY}/<name>.calibration.json)",
+    )
+    c.add_argument(
+        "--fields",
+        type=field_names,
+        default=None,
+        metavar="NAME,...",
+        help=f"figures to fit, from {', '.join(CALIBRATABLE_FIELDS)} (default: all that the "
+        "preset gives a non-zero value)",
+    )
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Runs ``calibrate``. Raises ValueError for bad input (the CLI's one-line usage error)."""
+    from distir_jax.calibrate import save_calibration
+    from search.calibration import calibrate_configs, read_measurements
+
+    name = args.name
+    if not name or ":" in name:
+        raise ValueError(f"--name must be a non-empty name without ':', got {name!r}")
+    output = args.output or os.path.join(DEFAULT_DIRECTORY, f"{name}.calibration.json")
+    configs, measured = read_measurements(args.measurements)
+    base = configs[0].hardware.partition(":")[0]
+    print(f"calibrating {base} on {len(configs)} measured strategies ...", flush=True)
+    fit = calibrate_configs(configs, measured, fields=args.fields)
+    print("factor by figure (calibrated = nominal x factor):")
+    for field, factor in fit.scales.items():
+        note = "  (no measured strategy depends on it: left as it is)" if field in fit.unconstrained else ""
+        print(f"  {field:18s} {factor:.4g}{note}")
+    print("step time against the measured one:    nominal   calibrated")
+    nominal, calibrated = fit.initial / fit.measured - 1, fit.relative_error
+    for config, before, after in zip(configs, nominal, calibrated, strict=True):
+        label = f"d{config.data} t{config.tensor} p{config.pipeline} batch {config.global_batch_size}"
+        print(f"  {config.model:12s} {label:28s} {before:+9.2%} {after:+11.2%}")
+    worst = float(np.max(np.abs(calibrated)))
+    if worst > 0.05:
+        print(
+            f"the calibrated figures still miss a measurement by {worst:.1%}: the cost model does not "
+            "capture everything these runs spent time on (or a measurement is off)"
+        )
+    if os.path.dirname(output):
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+    save_calibration(output, name, base, fit.scales)
+    print(f"wrote {output}")
+    print(f"use it: distir-jax sweep --presets {output} --hardware {name}")
+    return 0
