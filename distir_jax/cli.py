@@ -813,7 +813,7 @@ def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int], tables: Sequ
     a complete sweep's part ``I`` has ``len(range(I, total, N))`` rows, no
     fewer than a later part's, at most one fewer than any other's (parts all
     cut short alike pass that check: only a manifest knows the sweep's size)."""
-    from search.manifest import RESUME_ADVICE, manifest_gap
+    from search.manifest import RESUME_ADVICE, manifest_gap, manifest_sweep
 
     out, measured = [], set()
     for path, table in zip(paths, tables, strict=True):
@@ -822,6 +822,14 @@ def _incomplete_parts(paths: Sequence[str], lengths: Sequence[int], tables: Sequ
             measured.add(str(path))
         if gap:
             out.append(gap)
+    sweeps: dict[str, list[str]] = {}  # the sweep each manifest names -> its files
+    for path in paths:
+        sweep = manifest_sweep(str(path))
+        if sweep is not None:
+            sweeps.setdefault(sweep, []).append(str(path))
+    if len(sweeps) > 1:  # each part may be whole, and the join still a mix
+        groups = "; ".join(f"sweep {sweep}: {', '.join(files)}" for sweep, files in sweeps.items())
+        out.append(f"the files are parts of {len(sweeps)} different sweeps ({groups}), not one")
     by_count: dict[int, dict[int, tuple[str, int]]] = {}  # N -> I -> (path, rows), a repeat once
     for path, n, found in zip(paths, lengths, _part_numbers(paths), strict=True):
         if found:

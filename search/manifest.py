@@ -12,11 +12,12 @@ this file's slice of it, and the ids of the configurations that slice holds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
 
-__all__ = ["RESUME_ADVICE", "manifest_gap", "manifest_path", "write_manifest"]
+__all__ = ["RESUME_ADVICE", "manifest_gap", "manifest_path", "manifest_sweep", "write_manifest"]
 
 # What a warning about a results file cut short tells its reader to do.
 RESUME_ADVICE = "finish it with its `distir-jax sweep` options and --resume"
@@ -32,6 +33,9 @@ def write_manifest(results_path: str | os.PathLike, configs: Sequence, index: in
     """Records that ``results_path`` is to hold slice ``index`` of ``count`` of
     ``configs`` (``configs[index::count]``, as :func:`~search.evaluate` takes it)."""
     manifest = {
+        # Which sweep the slice is of (every part's manifest names the same one), so
+        # merge can tell parts of two sweeps, of one size, apart.
+        "sweep": hashlib.sha1(" ".join(c.config_id for c in configs).encode()).hexdigest()[:16],
         "configurations": len(configs),
         "part": index,
         "parts": count,
@@ -67,3 +71,15 @@ def manifest_gap(results_path: str | os.PathLike, table) -> tuple[bool, str]:
         f"{path} lacks {missing} of the {len(wanted)} configurations its sweep assigned it "
         f"({manifest}): was it interrupted? {RESUME_ADVICE}"
     )
+
+
+def manifest_sweep(results_path: str | os.PathLike) -> str | None:
+    """The sweep a results file's manifest says it is part of (its id, or for a
+    manifest written before sweeps had one, its size), or None without a
+    manifest that reads."""
+    try:
+        with open(manifest_path(results_path)) as f:
+            manifest = json.load(f)
+        return str(manifest.get("sweep") or f"{int(manifest['configurations'])} configurations")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

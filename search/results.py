@@ -298,8 +298,24 @@ class ResultTable:
 
     @classmethod
     def read(cls, path) -> ResultTable:
-        """Reads a table written by :meth:`to_csv` or :meth:`to_parquet` (by suffix)."""
-        return cls(cls.read_columns(path, COLUMNS))
+        """Reads a table written by :meth:`to_csv` or :meth:`to_parquet` (by suffix).
+
+        Raises:
+          ValueError: naming the file, line and column of a value that does not
+            parse, or of an ok row whose step time or throughput is not a
+            positive finite number (a sweep writes none: the file was changed).
+        """
+        table = cls(cls.read_columns(path, COLUMNS))
+        ok = table["status"] == STATUS_OK
+        for column in ("step_time_s", "throughput_samples_per_s"):
+            values = table[column]
+            bad = np.flatnonzero(ok & ~(np.isfinite(values) & (values > 0)))
+            if bad.size:
+                raise ValueError(
+                    f"{path}: row {bad[0] + 1} ({table['config_id'][bad[0]]}) is ok with "
+                    f"{column}={float(values[bad[0]])}; a sweep writes positive finite numbers there"
+                )
+        return table
 
     @staticmethod
     def read_columns(path, names: Iterable[str]) -> dict[str, list]:
@@ -320,9 +336,18 @@ class ResultTable:
                 raise ValueError(f"{path}: not a results table (expected columns {list(COLUMNS)})")
             where = [(name, header.index(name), COLUMNS[name]) for name in names]
             values = {name: [] for name in names}
-            for line in reader:
+            for number, line in enumerate(reader, start=2):
+                if len(line) != len(header):  # a line cut short (a copy interrupted, say)
+                    raise ValueError(
+                        f"{path}, line {number}: {len(line)} fields where the header has {len(header)}"
+                    )
                 for name, at, kind in where:
-                    values[name].append(_parse(line[at], kind))
+                    try:
+                        values[name].append(_parse(line[at], kind))
+                    except ValueError:
+                        raise ValueError(
+                            f"{path}, line {number}: {name}={line[at]!r} is not a {kind.__name__}"
+                        ) from None
         return values
 
     def format(self, columns: Sequence[str] | None = None, limit: int | None = None) -> str:

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Union
 
@@ -310,7 +311,9 @@ def resolve_model(model: ModelSpec, dtype: str | None, seq_len: int | None):
 
 def factorisations(world_size: int, data=None, tensor=None, pipeline=None) -> list[tuple[int, int, int]]:
     """``(d, t, p)`` with ``d * t * p == world_size``, each in its allowed set (None: any)."""
-    divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
+    # Divisors in pairs up to the square root: a huge world size (a typo) answers at once.
+    small = [n for n in range(1, math.isqrt(world_size) + 1) if world_size % n == 0]
+    divisors = sorted(set(small + [world_size // n for n in small]))
     out = []
     for d, t in itertools.product(divisors, divisors):
         if world_size % (d * t):

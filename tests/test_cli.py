@@ -786,3 +786,26 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert "calibration file" in _one_line_error(capsys, 2, ["sweep", "--presets", str(bad)])
+
+
+def test_merge_warns_when_the_parts_come_from_different_sweeps(tmp_path, capsys):
+    # Part 0 of one sweep and part 1 of another, named as one sweep's parts: each is
+    # complete by its own manifest, and only the manifests' sweep ids tell the mix.
+    out, other = tmp_path / "sweep.csv", tmp_path / "other" / "sweep.csv"
+    assert main(SMALL_SWEEP + ["--output", str(out), "--parts", "2", "--part", "0"]) == 0
+    changed = [x if x != "16,32" else "16,64" for x in SMALL_SWEEP]  # other batch sizes
+    assert main(changed + ["--output", str(other), "--parts", "2", "--part", "1"]) == 0
+    for suffix in (".csv", ".manifest.json"):
+        source = other.parent / f"sweep.part-1-of-2{suffix}"
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    capsys.readouterr()
+    parts = [str(tmp_path / f"sweep.part-{i}-of-2.csv") for i in range(2)]
+    assert main(["merge", str(tmp_path / "joined.csv"), *parts]) == 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "parts of 2 different sweeps" in err, err
+    assert all(part in err for part in parts)
+    # The parts of one sweep name one sweep: no warning.
+    assert main(SMALL_SWEEP + ["--output", str(out), "--parts", "2", "--part", "1"]) == 0
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "joined.csv"), *parts]) == 0
+    assert capsys.readouterr().err == ""

@@ -210,3 +210,30 @@ def test_format_adds_the_knobs_that_vary_in_the_table():
     assert header[:2] == ["dtype", "d"] and "optimizer" not in header
     assert header[header.index("zero") + 1 : header.index("zero") + 4] == ["seq", "par", "overlap"]
     assert ResultTable(columns).format(columns=["data"]).splitlines()[0].split() == ["d"]
+
+
+def test_read_names_the_line_and_column_of_a_damaged_file(tmp_path):
+    HAND_MADE.to_csv(tmp_path / "r.csv")
+    lines = (tmp_path / "r.csv").read_text().splitlines()
+    header = lines[0].split(",")
+
+    def damaged(line: int, column: str, value: str):
+        fields = lines[line].split(",")
+        fields[header.index(column)] = value
+        path = tmp_path / f"{column}.csv"
+        path.write_text("\n".join(lines[:line] + [",".join(fields)] + lines[line + 1 :]) + "\n")
+        return path
+
+    with pytest.raises(ValueError, match=r"line 3: world_size='four' is not a int"):
+        ResultTable.read(damaged(2, "world_size", "four"))
+    with pytest.raises(ValueError, match=r"row 1 \(id000\) is ok with step_time_s=nan"):
+        ResultTable.read(damaged(1, "step_time_s", "nan"))
+    with pytest.raises(ValueError, match=r"row 3 \(id002\) is ok with throughput_samples_per_s=inf"):
+        ResultTable.read(damaged(3, "throughput_samples_per_s", "inf"))
+    cut = tmp_path / "cut.csv"
+    cut.write_text("\n".join(lines[:-1] + [lines[-1][:10]]) + "\n")  # a copy interrupted mid-line
+    expected = rf"line {len(lines)}: \d+ fields where the header has {len(COLUMNS)}"
+    with pytest.raises(ValueError, match=expected):
+        ResultTable.read(cut)
+    # Rows that are not ok keep inf step times (an invalid row's) and read as before.
+    assert ResultTable.read(tmp_path / "r.csv") == HAND_MADE
