@@ -148,21 +148,33 @@ def calibrate(
             step_time = simulate(program, _scaled(base, fields, theta), temperature=temperature).step_time
             return jnp.log(step_time) - target
 
+        # One compiled function of residuals and their Jacobian serves every step and
+        # the checks below (each compile of the kernel costs seconds on a CPU).
+        linearized = jax.jit(lambda t: (residual(t), jax.jacfwd(residual)(t)))
+
+        def step_times(theta) -> tuple[np.ndarray, np.ndarray]:
+            """Exact step times at ``theta`` and ``[B, F]`` their log's derivatives."""
+            r, jac = (np.asarray(x) for x in linearized(theta))
+            if temperature is not None:  # the smoothed times are not the exact ones
+                return _exact_times(program, base, fields, theta), jac
+            return measured * np.exp(r), jac
+
         theta = np.zeros(len(fields))
-        initial = _exact_times(program, base, fields, theta)
+        initial, _ = step_times(theta)
         idle = np.flatnonzero(~(initial > 0))
         if idle.size:  # its log has no gradient: nothing to fit it by
             raise ValueError(f"program {idle[0]} simulates in 0 s (no op takes time); leave it out")
         if optimizer is None:
-            theta, losses = _levenberg_marquardt(residual, theta, steps)
+            theta, losses = _levenberg_marquardt(linearized, theta, steps)
         else:
             theta, losses = _descend(residual, theta, optax.with_extra_args_support(optimizer), steps)
         # Which fields the programs depend on, at the fitted point.
-        sensitivity = np.abs(np.asarray(jax.jacfwd(residual)(theta)))  # [B, F]
-        most = sensitivity.max(axis=0)
+        predicted, sensitivity = step_times(theta)
+        most = np.abs(sensitivity).max(axis=0)
         unconstrained = tuple(f for f, s in zip(fields, most, strict=True) if s < _UNCONSTRAINED)
-        theta = np.where([f in unconstrained for f in fields], 0.0, theta)
-        predicted = _exact_times(program, base, fields, theta)
+        if unconstrained:  # back to their nominal figures, which nothing here moves
+            theta = np.where([f in unconstrained for f in fields], 0.0, theta)
+            predicted, _ = step_times(theta)
     scales = {f: float(np.exp(t)) for f, t in zip(fields, theta, strict=True)}
     return Calibration(
         topology=_scaled_topology(topology, scales),
@@ -175,8 +187,9 @@ def calibrate(
     )
 
 
-def _levenberg_marquardt(residual, theta: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Minimizes ``mean(residual(theta) ** 2)`` by damped Gauss-Newton steps.
+def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Minimizes ``mean(r ** 2)`` by damped Gauss-Newton steps (``linearized(theta)``:
+    the residuals ``r`` and their Jacobian).
 
     Step times are max-plus in the op costs, so the residuals are piecewise
     smooth in ``theta`` and nearly linear within a piece: Gauss-Newton lands
@@ -185,9 +198,7 @@ def _levenberg_marquardt(residual, theta: np.ndarray, steps: int) -> tuple[np.nd
     damping (Marquardt's, scaled by each field's curvature) grows until a
     step lowers the loss, and the loop stops when none does.
     """
-    evaluate = jax.jit(lambda t: (residual(t), jax.jacfwd(residual)(t)))
-    values = jax.jit(residual)
-    r, jac = (np.asarray(x) for x in evaluate(theta))
+    r, jac = (np.asarray(x) for x in linearized(theta))
     loss, damping, losses = float(np.mean(r**2)), 1e-3, []
     for _ in range(steps):
         losses.append(loss)
@@ -198,15 +209,14 @@ def _levenberg_marquardt(residual, theta: np.ndarray, steps: int) -> tuple[np.nd
             # (J^T J + damping D^2) delta = -J^T r, as least squares (stable when J^T J is singular).
             system = np.vstack([jac, np.diag(np.sqrt(damping) * curvature)])
             delta = np.linalg.lstsq(system, np.concatenate([-r, np.zeros(len(theta))]), rcond=None)[0]
-            trial = np.asarray(values(theta + delta))
-            trial_loss = float(np.mean(trial**2))
-            if trial_loss < loss:
+            # The Jacobian comes along (the next step needs it where this one is taken).
+            trial, trial_jac = (np.asarray(x) for x in linearized(theta + delta))
+            if np.mean(trial**2) < loss:
                 break
             damping *= 4.0
         else:
             break  # no step lowers the loss: a minimum
-        theta = theta + delta
-        r, jac = (np.asarray(x) for x in evaluate(theta))
+        theta, r, jac = theta + delta, trial, trial_jac
         loss, damping = float(np.mean(r**2)), max(damping / 3.0, 1e-12)
     return theta, np.asarray(losses)
 
