@@ -37,7 +37,7 @@ import optax
 from distir_jax.hardware import Hardware
 from distir_jax.ir.topology import Topology
 from distir_jax.kernel import simulate
-from distir_jax.lower import Program, stack_programs
+from distir_jax.lower import Program, _check_program, stack_programs
 from distir_jax.presets import register_calibrated_preset
 
 __all__ = ["CALIBRATABLE_FIELDS", "Calibration", "calibrate", "load_calibration", "save_calibration"]
@@ -123,6 +123,8 @@ def calibrate(
     """
     if not programs:
         raise ValueError("calibrate needs at least one program")
+    for i, program in enumerate(programs):
+        _check_program(program, f"calibrate: program {i}")
     fields = _checked_fields(topology, fields)
     steps = (100 if optimizer is None else 500) if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
@@ -160,7 +162,7 @@ def calibrate(
             return measured * np.exp(r), jac
 
         theta = np.zeros(len(fields))
-        initial, _ = step_times(theta)
+        initial, nominal_sensitivity = step_times(theta)
         idle = np.flatnonzero(~(initial > 0))
         if idle.size:  # its log has no gradient: nothing to fit it by
             raise ValueError(f"program {idle[0]} simulates in 0 s (no op takes time); leave it out")
@@ -168,9 +170,11 @@ def calibrate(
             theta, losses = _levenberg_marquardt(linearized, theta, steps)
         else:
             theta, losses = _descend(residual, theta, optax.with_extra_args_support(optimizer), steps)
-        # Which fields the programs depend on, at the fitted point.
+        # Fields the programs depend on neither at the nominal figures nor at the
+        # fitted ones. (A factor the fit drove to ~0 has no effect at the fitted
+        # point, but the measurements said so: it stays.)
         predicted, sensitivity = step_times(theta)
-        most = np.abs(sensitivity).max(axis=0)
+        most = np.maximum(np.abs(sensitivity).max(axis=0), np.abs(nominal_sensitivity).max(axis=0))
         unconstrained = tuple(f for f, s in zip(fields, most, strict=True) if s < _UNCONSTRAINED)
         if unconstrained:  # back to their nominal figures, which nothing here moves
             theta = np.where([f in unconstrained for f in fields], 0.0, theta)

@@ -306,7 +306,7 @@ def simulate(
     Returns:
       A :class:`SimResult` with leading axis ``[B]``.
     """
-    _check(program, hardware, temperature)
+    _check(program, hardware, temperature, costs, valid)
     rows = hardware_rows(hardware, np.ndim(program.resource) == 3)
     num_resources = program.resource_device.shape[-1]
     state = start_timeline(num_resources, program.num_finish_slots, batch_size(program, hardware, costs))
@@ -317,15 +317,44 @@ def simulate(
     return result
 
 
-def _check(program: Program, hardware: Hardware, temperature) -> None:
+def _check(program: Program, hardware: Hardware, temperature, costs=None, valid=None) -> None:
+    """Shapes, at trace time: a mismatch found inside the scan names no argument."""
+    # (A program or hardware of another type never gets here: jit names its argument.)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"temperature must be None or > 0, got {temperature}")
     num_devices = program.resident_bytes.shape[-1]
-    if hardware.peak_flops.shape[-1] != num_devices:
+    if np.shape(hardware.peak_flops)[-1:] != (num_devices,):
         raise ValueError(
-            f"hardware has {hardware.peak_flops.shape[-1]} devices but the program is padded to "
+            f"hardware has {np.shape(hardware.peak_flops)[-1:]} devices but the program is padded to "
             f"{num_devices}; use pad_hardware"
         )
+    batch = tuple(np.shape(hardware.peak_flops)[:-1])
+    expected = {
+        "memory_bandwidth": batch + (num_devices,),
+        "memory_capacity": batch + (num_devices,),
+        "link_bandwidth": batch + (num_devices, num_devices),
+        "link_latency": batch + (num_devices, num_devices),
+    }
+    for name, shape in expected.items():
+        if tuple(np.shape(getattr(hardware, name))) != shape:
+            raise ValueError(
+                f"hardware.{name} must have shape {list(shape)} (as peak_flops: {list(batch)} "
+                f"configurations, {num_devices} devices), got {list(np.shape(getattr(hardware, name)))}"
+            )
+    if tuple(np.shape(hardware.launch_overhead)) not in ((), batch):
+        got = list(np.shape(hardware.launch_overhead))
+        raise ValueError(f"hardware.launch_overhead must be a number or {list(batch)}, got {got}")
+    ops = tuple(np.shape(program.resource)[-2:])  # [N, K]
+    if costs is not None and (np.ndim(costs) not in (2, 3) or tuple(np.shape(costs)[-2:]) != ops):
+        raise ValueError(
+            f"costs must be [N, K] = {list(ops)} or [B, N, K] seconds, got {list(np.shape(costs))}"
+        )
+    if valid is not None:
+        size = batch_size(program, hardware, costs)
+        if tuple(np.shape(valid)) != (size,):
+            raise ValueError(
+                f"valid must be [B] = [{size}] bools, one per configuration, got {list(np.shape(valid))}"
+            )
 
 
 def run_ops(

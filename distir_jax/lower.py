@@ -149,6 +149,10 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
     Returns:
       An unpadded Program; use :func:`pad_program` to fit a capacity.
     """
+    if not isinstance(fn, Function):
+        raise TypeError(f"lower takes a Function (FunctionBuilder.build), got {type(fn).__name__}")
+    if not isinstance(topology, Topology):
+        raise TypeError(f"lower takes a Topology (get_preset, ...), got {type(topology).__name__}")
     if any(v.type is None for op in fn.ops for v in op.outputs):
         fn = infer_types(fn)
     op_devices = [op.devices for op in fn.ops]
@@ -157,7 +161,10 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
         used.update(devices)
     topology.check_devices(tuple(sorted(used)), f"function {fn.name!r}")
     num_devices = topology.num_devices
-    op_streams = [op.stream for op in fn.ops]
+    op_streams = [op.attr("stream", 0) for op in fn.ops]  # as Op.stream, checked
+    for i, stream in enumerate(op_streams):  # a resource index: a float or -1 would alias another
+        if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0:
+            raise ValueError(f"op {i} ({fn.ops[i].op_type}): stream must be an int >= 0, got {stream!r}")
     used_streams = 1 + max(op_streams, default=0)  # fn.num_streams
     streams = used_streams if num_streams is None else int(num_streams)
     if streams < used_streams:
@@ -404,6 +411,9 @@ def peak_memory(slot_device, alloc_bytes, free_bytes, resident_bytes) -> np.ndar
 
 def pad_program(program: Program, capacity: Capacity) -> Program:
     """Pads ``program`` to ``capacity``; padded ops cost nothing and touch nothing."""
+    _check_program(program, "pad_program")
+    if not isinstance(capacity, Capacity):
+        raise TypeError(f"pad_program: capacity must be a Capacity, got {type(capacity).__name__}")
     have = program.capacity
     for name, want, got in zip(
         ("num_ops", "slots_per_op", "deps_per_op", "finish_slots", "num_devices", "num_resources"),
@@ -446,6 +456,8 @@ def stack_programs(programs: Sequence[Program], capacity: Capacity | None = None
     """
     if not programs:
         raise ValueError("stack_programs needs at least one program")
+    for i, prog in enumerate(programs):
+        _check_program(prog, f"stack_programs: program {i}")
     if capacity is None:
         capacity = programs[0].capacity
         for prog in programs[1:]:
@@ -471,3 +483,9 @@ def _variant(program: Program, s: int) -> Program:
         base_rank = 2 if name in ("alloc_bytes", "free_bytes") else 1
         changes[name] = x[s] if x.ndim > base_rank else x
     return program.replace(**changes)
+
+
+def _check_program(program, what: str) -> None:
+    if not isinstance(program, Program):
+        hint = " (lower it first)" if isinstance(program, Function) else ""
+        raise TypeError(f"{what} must be a lowered Program{hint}, got {type(program).__name__}")

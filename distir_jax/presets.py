@@ -420,6 +420,8 @@ def get_preset(name: str, **kwargs) -> Topology:
       ValueError: for an unknown name, a malformed count, or arguments the
         constructor does not take.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"a preset name is a string such as 'dgx-a100-80gb:16', got {name!r}")
     base, sep, count = name.partition(":")
     if base not in PRESETS:
         raise ValueError(f"unknown preset {base!r} in {name!r}; expected one of {preset_names()}")

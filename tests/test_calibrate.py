@@ -363,3 +363,21 @@ def test_bad_measurements_are_named(tmp_path):
     for path, message in cases:
         with pytest.raises(ValueError, match=message):
             read_measurements(path)
+
+
+def test_a_factor_the_fit_drives_to_zero_stays_fitted():
+    """Measured without launch overheads: the fit takes that factor to ~0, where
+    nothing depends on it any more; it is fitted, not unconstrained (reset to 1)."""
+    nominal = dj.Topology.uniform(1)
+    truth = dataclasses.replace(nominal, launch_overhead=0.0, peak_flops=nominal.peak_flops * 0.5)
+
+    def matmul(rows):
+        b = dj.FunctionBuilder("mm")
+        return b.build(b.add("MatMul", b.input("x", (rows, 4096)), b.input("w", (4096, 4096))))
+
+    measured = [dj.reference_simulate(matmul(n), truth).step_time for n in (512, 4096)]
+    programs = [dj.lower(matmul(n), nominal) for n in (512, 4096)]
+    fit = dj.calibrate(programs, measured, nominal, fields=["peak_flops", "launch_overhead"])
+    assert fit.unconstrained == ()
+    assert fit.scales["peak_flops"] == pytest.approx(0.5, rel=1e-6) and fit.scales["launch_overhead"] < 1e-3
+    np.testing.assert_allclose(fit.predicted, measured, rtol=1e-6)

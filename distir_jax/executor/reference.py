@@ -100,9 +100,23 @@ def reference_simulate(
     start_times: list[float] = []
     clock: dict[tuple[int, int], float] = {}
     busy: dict[tuple[int, int], float] = {}
+    if costs is not None and len(costs) != len(fn.ops):
+        raise ValueError(f"costs must hold one entry per op, {len(fn.ops)} in all, got {len(costs)}")
     for i, op in enumerate(fn.ops):
         per_device = costs[i] if costs is not None else cost_fn(op, topology)
         resources = [(d, op.stream) for d in op.devices]
+        for d in op.devices:
+            # Python's max() passes NaN over (max(0.0, nan) is 0.0): a bad cost must not vanish.
+            try:
+                c = float(per_device[d])
+            except (KeyError, IndexError, TypeError, ValueError):
+                c = None
+            if c is None or not c >= 0.0:
+                result = op.outputs[0].name if op.outputs else "no result"
+                raise ValueError(
+                    f"op {i} ({op.op_type} -> {result}) on device {d}: its cost must be a number >= 0, "
+                    f"got {'none' if c is None else c}"
+                )
         start = 0.0
         for v in op.inputs:
             if v.name in producer:

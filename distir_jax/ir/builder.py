@@ -27,6 +27,7 @@ class FunctionBuilder:
         self._inputs: list[Value] = []
         self._ops: list[Op] = []
         self._names: set[str] = set()
+        self._values: dict[str, Value] = {}  # what each name of this builder holds
         self._counter = 0
 
     def _fresh(self, hint: str | None) -> str:
@@ -46,6 +47,7 @@ class FunctionBuilder:
         """Declares a function input (weights, data, optimizer state)."""
         value = Value(self._fresh(name), TensorType(tuple(shape), dtype, device))
         self._inputs.append(value)
+        self._values[value.name] = value
         return value
 
     def add(
@@ -58,8 +60,7 @@ class FunctionBuilder:
         """Appends an op; returns its result, or a tuple when it has several."""
         inputs = tuple(inputs)
         for v in inputs:
-            if not isinstance(v, Value) or v.type is None:
-                raise ValueError(f"{op_type}: operands must be typed Values from this builder, got {v!r}")
+            self._check_own(v, f"{op_type}: operands")
         probe = Op(op_type, inputs, (), attrs)
         out_types = infer_op_types(probe, len(self._ops), tuple(v.type for v in inputs))
         if isinstance(names, str):
@@ -70,10 +71,26 @@ class FunctionBuilder:
             Value(self._fresh(None if names is None else names[i]), t) for i, t in enumerate(out_types)
         )
         self._ops.append(probe._with_values(inputs, outputs))
+        self._values.update((v.name, v) for v in outputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def build(self, *outputs: Value) -> Function:
         flat: list[Value] = []
         for o in outputs:
             flat.extend(o if isinstance(o, (tuple, list)) else (o,))
+        for v in flat:
+            self._check_own(v, f"function {self.name}: outputs")
         return Function(self.name, tuple(self._inputs), tuple(self._ops), tuple(flat))
+
+    def _check_own(self, value, what: str) -> None:
+        """``value`` must be a typed Value made by this builder (one of another
+        builder's would name a value this function does not have)."""
+        ok = isinstance(value, Value) and value.type is not None
+        held = self._values.get(value.name) if ok else None
+        if held is not value:  # the same object, or (rebuilt) an equal one
+            try:
+                ok = held is not None and bool(held == value)
+            except ValueError:  # size-variant shapes compare elementwise: the name matched
+                ok = held is not None
+        if not ok:
+            raise ValueError(f"{what} must be typed Values from this builder, got {value!r}")

@@ -28,12 +28,18 @@ def _distinct_devices(ins) -> tuple[int, ...]:
     return devices
 
 
-def _group_inputs(ins, what):
+def _group_inputs(ins, what, attrs):
     if not ins:
         raise OpError(f"{what} needs at least one operand")
     same_shape(ins, f"{what}'s operands")
     require_same_dtype(ins)
-    return _distinct_devices(ins)
+    devices = _distinct_devices(ins)
+    if "group" in attrs:  # the full group of a symmetry-reduced collective: its members among them
+        group = _device_list(attrs, "group", what)
+        outside = [d for d in devices if d not in group]
+        if outside:
+            raise OpError(f"{what}'s operands on devices {outside} are not in its group {list(group)}")
+    return devices
 
 
 def _device_list(attrs, key, what):
@@ -112,7 +118,7 @@ register(
 
 
 def _allreduce_infer(attrs, ins):
-    _group_inputs(ins, "AllReduce")
+    _group_inputs(ins, "AllReduce", attrs)
     return tuple(ins)
 
 
@@ -136,7 +142,7 @@ register(
 
 
 def _allgather_infer(attrs, ins):
-    _group_inputs(ins, "AllGather")
+    _group_inputs(ins, "AllGather", attrs)
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
     shape = list(ins[0].shape)
     gathered = shape[axis] * _group_size(attrs, ins)
@@ -175,7 +181,7 @@ register(
 
 
 def _reducescatter_infer(attrs, ins):
-    _group_inputs(ins, "ReduceScatter")
+    _group_inputs(ins, "ReduceScatter", attrs)
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
     shape = _split_dim(ins[0].shape, axis, _group_size(attrs, ins), "ReduceScatter", bool(attrs.get("pad")))
     return tuple(t.with_shape(shape) for t in ins)
@@ -218,7 +224,7 @@ register(
 
 
 def _alltoall_infer(attrs, ins):
-    _group_inputs(ins, "AllToAll")
+    _group_inputs(ins, "AllToAll", attrs)
     rank = ins[0].rank
     split_axis = normalize_axis(int(attrs.get("split_axis", 0)), rank)
     concat_axis = normalize_axis(int(attrs.get("concat_axis", 0)), rank)
@@ -294,7 +300,7 @@ register(
 
 
 def _gather_infer(attrs, ins):
-    _group_inputs(ins, "Gather")
+    _group_inputs(ins, "Gather", attrs)
     if "to" not in attrs:
         raise OpError("Gather needs attribute to = the destination device")
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)

@@ -8,16 +8,33 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def _vector(name, value, n) -> np.ndarray:
-    arr = np.broadcast_to(np.asarray(value, dtype=np.float64), (n,)).copy()
-    if np.any(~np.isfinite(arr)) or np.any(arr < 0):
-        raise ValueError(f"{name} must be finite and >= 0 for every device, got {arr}")
+def _array(name, value, shape: tuple[int, ...]) -> np.ndarray:
+    """``value`` as a float64 array of ``shape`` (a number fills it), or a ValueError naming ``name``."""
+    try:
+        return np.broadcast_to(np.asarray(value, dtype=np.float64), shape).copy()
+    except (TypeError, ValueError):
+        what = "device" if len(shape) == 1 else "device pair"
+        raise ValueError(
+            f"{name} must be a number or {list(shape)} numbers (one per {what}), got {np.shape(value)}"
+        ) from None
+
+
+def _vector(name, value, n, positive: bool = False) -> np.ndarray:
+    """Per-device figures: finite and >= 0 (> 0 for speeds, which costs divide by)."""
+    arr = _array(name, value, (n,))
+    bad = ~np.isfinite(arr) | ((arr <= 0) if positive else (arr < 0))
+    if np.any(bad):
+        device = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{name} must be finite and {'> 0' if positive else '>= 0'} for every device, "
+            f"got {arr[device]} for device {device}"
+        )
     arr.setflags(write=False)
     return arr
 
 
 def _matrix(name, value, n) -> np.ndarray:
-    arr = np.broadcast_to(np.asarray(value, dtype=np.float64), (n, n)).copy()
+    arr = _array(name, value, (n, n))
     if np.any(np.isnan(arr)) or np.any(arr < 0):
         raise ValueError(f"{name} must be >= 0 for every device pair")
     arr.setflags(write=False)
@@ -53,13 +70,13 @@ class Topology:
         if n < 1:
             raise ValueError("a topology needs at least one device")
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        set_("peak_flops", _vector("peak_flops", self.peak_flops, n))
-        set_("memory_bandwidth", _vector("memory_bandwidth", self.memory_bandwidth, n))
+        set_("peak_flops", _vector("peak_flops", self.peak_flops, n, positive=True))
+        set_("memory_bandwidth", _vector("memory_bandwidth", self.memory_bandwidth, n, positive=True))
         set_("memory_capacity", _vector("memory_capacity", self.memory_capacity, n))
         set_("link_bandwidth", _matrix("link_bandwidth", self.link_bandwidth, n))
         set_("link_latency", _matrix("link_latency", self.link_latency, n))
-        if float(self.launch_overhead) < 0:
-            raise ValueError(f"launch_overhead must be >= 0, got {self.launch_overhead}")
+        if not 0 <= float(self.launch_overhead) < np.inf:
+            raise ValueError(f"launch_overhead must be a finite number >= 0, got {self.launch_overhead}")
         set_("launch_overhead", float(self.launch_overhead))
         nodes = (
             np.zeros(n, np.int64)
@@ -92,8 +109,8 @@ class Topology:
         name: str = "uniform",
     ) -> Topology:
         """Identical devices, every pair linked alike (DistIR's defaults)."""
-        if num_devices < 1:
-            raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+        if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+            raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
         return cls(
             name=name,
             peak_flops=np.full(num_devices, peak_flops),
