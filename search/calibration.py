@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from distir_jax.calibrate import Calibration, calibrate
 from distir_jax.lower import lower
 from search.results import COLUMNS
-from search.space import Config
+from search.space import Config, StrategySpace
 
 # The measurements file's column of measured seconds per step; its other
 # columns are a results table's knob columns (a sweep's rows, measured).
@@ -47,12 +47,24 @@ def calibrate_configs(configs: Sequence[Config], measured, **options) -> Calibra
       name (``configs[0].hardware`` without a count).
 
     Raises:
+      TypeError: when ``configs`` is not a sequence of :class:`~search.space.Config`.
       ValueError: for no or an invalid configuration (with its reason), more
         than one preset or dtype, a cluster that is not the first devices of
         the largest, or what ``calibrate`` rejects.
     """
     from search._transform import build_function
+    from search.single import require_config
 
+    if isinstance(configs, (Config, StrategySpace, str, Mapping)) or not isinstance(configs, Iterable):
+        what = "a StrategySpace (its rows: list(enumerate_configs(space)))"
+        if not isinstance(configs, StrategySpace):
+            what = type(configs).__name__
+        raise TypeError(
+            f"configs must be a sequence of search.Config (from make_config or enumerate_configs), got {what}"
+        )
+    configs = list(configs)
+    for i, config in enumerate(configs):
+        require_config(f"configs[{i}]", config)
     if not configs:
         raise ValueError("calibrate_configs needs at least one configuration")
     for i, config in enumerate(configs):

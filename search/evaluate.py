@@ -201,7 +201,8 @@ def evaluate(
       progress: show a progress bar (tqdm if installed) in configurations/s.
       shard: split each call's rows over all local JAX devices.
       process_index, process_count: this host's slice of the configurations
-        (default: ``jax.process_index()`` / ``jax.process_count()``).
+        (default: ``jax.process_index()`` / ``jax.process_count()``): ints,
+        ``0 <= process_index < process_count``.
       checkpoint_seconds: how often to write partial results to ``results_path``.
       engine: ``"fast"`` (default) generates coarse programs as arrays
         (:mod:`search._fast`: milliseconds per structural key instead of
@@ -222,6 +223,12 @@ def evaluate(
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    # The count first: an index is only out of range of a count that is itself valid.
+    for name, value, least in (("process_count", process_count, 1), ("process_index", process_index, 0)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least
+        ):
+            raise ValueError(f"{name} must be None or an int >= {least}, got {value!r}")
     # This sweep's jax work (and the background compiles it starts, see _target) in
     # its own float type; the caller's jax_enable_x64 is left as it was.
     with in_precision(precision):

@@ -148,6 +148,8 @@ class ResultTable:
         return len(self._columns["config_id"])
 
     def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._columns:
+            raise KeyError(f"no column {name!r}; the columns are {list(COLUMNS)}")
         return self._columns[name]
 
     def row(self, i: int) -> dict:
@@ -162,7 +164,12 @@ class ResultTable:
         return ResultTable({name: col[index] for name, col in self._columns.items()})
 
     def where(self, **equal) -> ResultTable:
-        """Rows whose columns equal the given values, e.g. ``where(status="ok")``."""
+        """Rows whose columns equal the given values, e.g. ``where(status="ok")``.
+
+        Raises:
+          ValueError: for a name that is not a column (see :data:`COLUMNS`).
+        """
+        _check_columns("where", list(equal))
         mask = np.ones(len(self), bool)
         for name, value in equal.items():
             mask &= self._columns[name] == value
@@ -190,13 +197,19 @@ class ResultTable:
         """The ``k`` ok rows of highest throughput, optionally under a memory limit.
 
         Args:
-          k: how many rows at most.
-          memory_limit: bytes; rows whose peak per-device memory exceeds it are
-            left out (the preset's capacity already excluded out-of-memory rows).
+          k: how many rows at most (an int >= 0).
+          memory_limit: bytes (a positive number), or None; rows whose peak
+            per-device memory exceeds it are left out (the preset's capacity
+            already excluded out-of-memory rows).
 
         Returns:
           Rows sorted by throughput (descending), then peak memory, then id.
+
+        Raises:
+          ValueError: for a ``k`` or ``memory_limit`` of another kind.
         """
+        _check_k(k)
+        _check_memory_limit(memory_limit)
         ok = self._columns["status"] == STATUS_OK
         if memory_limit is not None:
             ok &= self._columns["peak_memory_bytes"] <= memory_limit
@@ -207,7 +220,10 @@ class ResultTable:
         """The ``k`` simulated rows that miss a memory budget by the least: out of
         memory, or (with ``memory_limit``, bytes) ok but over it; least peak
         memory first, then highest throughput, then id. For when :meth:`top_k`
-        is empty: how far the space is from fitting, and which knobs come closest."""
+        is empty: how far the space is from fitting, and which knobs come closest.
+        ``k`` and ``memory_limit`` are checked as :meth:`top_k` checks them."""
+        _check_k(k)
+        _check_memory_limit(memory_limit)
         status = self._columns["status"]
         over = status == STATUS_OOM
         if memory_limit is not None:
@@ -354,7 +370,25 @@ class ResultTable:
         """A plain-text table of some columns (for terminals). By default
         :data:`DISPLAY_COLUMNS`, and each knob of :data:`VARYING_COLUMNS` that takes
         more than one value in this table: otherwise rows that differ only in it
-        (bf16 and f16, say) would print alike."""
+        (bf16 and f16, say) would print alike.
+
+        Args:
+          columns: column names, or one name; None: the default above.
+          limit: the first rows to print (an int >= 0; 0: the header only), or
+            None for every row.
+
+        Raises:
+          ValueError: for a name that is not a column, or a ``limit`` of another kind.
+        """
+        if isinstance(columns, str):  # one column, not its letters
+            columns = [columns]
+        if columns is not None:
+            columns = list(columns)
+            _check_columns("columns", columns)
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0
+        ):
+            raise ValueError(f"limit must be None or an int >= 0 (0: the header only), got {limit!r}")
         if columns is None:
             varying = {c for c in VARYING_COLUMNS if len(set(self._columns[c].tolist())) > 1}
             columns = [c for c in VARYING_COLUMNS if c in varying and c != "sequence_parallel"]
@@ -362,8 +396,7 @@ class ResultTable:
                 columns.append(c)
                 if c == "zero" and "sequence_parallel" in varying:  # with the other switches
                     columns.append("sequence_parallel")
-        columns = list(columns)
-        shown = min(len(self), limit or len(self))
+        shown = len(self) if limit is None else min(len(self), int(limit))
         rows = [[_show(self._columns[c][i], c) for c in columns] for i in range(shown)]
         header = [DISPLAY_NAMES.get(c, c) for c in columns]
         widths = [max([len(h)] + [len(r[j]) for r in rows]) for j, h in enumerate(header)]
@@ -408,6 +441,29 @@ DISPLAY_NAMES = {
     "overlap_grad_comm": "overlap",
     "sequence_parallel": "seq par",
 }
+
+
+def _check_columns(argument: str, names: Sequence) -> None:
+    """Raises a ValueError naming ``argument`` for names that are not columns."""
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown:
+        raise ValueError(f"{argument}: unknown column(s) {unknown}; the columns are {list(COLUMNS)}")
+
+
+def _check_k(k) -> None:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise ValueError(f"k must be an int >= 0 (how many rows at most), got {k!r}")
+
+
+def _check_memory_limit(memory_limit) -> None:
+    """None, or a positive number of bytes (not NaN: no row would be under it)."""
+    if memory_limit is None:
+        return
+    number = isinstance(memory_limit, (int, float, np.integer, np.floating)) and not isinstance(
+        memory_limit, (bool, np.bool_)
+    )
+    if not (number and memory_limit > 0):  # NaN compares False too
+        raise ValueError(f"memory_limit must be None or a positive number of bytes, got {memory_limit!r}")
 
 
 def _python(value):

@@ -13,10 +13,11 @@ import numpy as np
 
 from distir_jax.ir import Function
 from distir_jax.lower import lower
+from distir_jax.models import MLPConfig, TransformerConfig
 from distir_jax.transforms.coarse import SplitBlockError
 from search._programs import compact, stack_rows
 from search.evaluate import _row, in_precision, simulate_on_host
-from search.space import Config
+from search.space import Config, StrategySpace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +65,10 @@ def simulate_config(
     (``precision``: as :func:`~search.evaluate.evaluate` takes it).
 
     Raises:
+      TypeError: when ``config`` is not a :class:`~search.space.Config`.
       ValueError: when the configuration is invalid (its reason) or cannot be built.
     """
+    require_config("config", config)
     if not config.valid:
         raise ValueError(f"invalid configuration: {config.reason}")
     with in_precision(precision):
@@ -104,11 +107,13 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
     which ran. ``precision``: as :func:`~search.evaluate.evaluate` takes it.
 
     Raises:
+      TypeError: when ``config`` is not a :class:`~search.space.Config`.
       ValueError: when the configuration is invalid (its reason), or ``engine`` is unknown.
     """
     from search._fast import ENGINES, FastEngine, fast_unsupported
     from search.evaluate import evaluate
 
+    require_config("config", config)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not config.valid:
@@ -125,6 +130,15 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
     if ready is None:  # the row is invalid, with the reason the preparation gave
         return ConfigSummary(row, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool))
     return ConfigSummary(row, ready.devices, ready.peak_bytes[variant], _simulated(ready))
+
+
+def require_config(name: str, value) -> None:
+    """Raises a TypeError naming argument ``name`` unless ``value`` is one :class:`Config`."""
+    if not isinstance(value, Config):
+        what = "a StrategySpace (one of its rows: list(enumerate_configs(space)))"
+        if not isinstance(value, StrategySpace):
+            what = type(value).__name__
+        raise TypeError(f"{name} must be a search.Config (from make_config or enumerate_configs), got {what}")
 
 
 def _op_devices(prepared) -> np.ndarray:
@@ -193,12 +207,14 @@ def coarse_chrome_trace(config: Config, *, precision: str = "float64") -> dict:
     of the fine program has an event per op (millions).
 
     Raises:
+      TypeError: when ``config`` is not a :class:`~search.space.Config`.
       ValueError: when the configuration is invalid (its reason), or when the
         fast engine does not model it: then trace the fine program
         (:func:`simulate_config`, :func:`chrome_trace`).
     """
     from search._fast import FastEngine, fast_unsupported
 
+    require_config("config", config)
     if not config.valid:
         raise ValueError(f"invalid configuration: {config.reason}")
     why = fast_unsupported(config)
@@ -280,17 +296,72 @@ def make_config(
     """One :class:`Config` from explicit knobs (invalid ones carry their reason).
 
     ``world_size`` defaults to ``data * tensor * pipeline``.
-    """
-    from search.space import StrategySpace, enumerate_configs
 
-    if world_size is not None and data * tensor * pipeline != world_size:
+    Raises:
+      ValueError: naming the argument, for a value of the wrong type or out of
+        range (``model`` None, ``data`` 0, an unknown ``schedule``, ...), or
+        degrees whose product is not ``world_size``.
+    """
+    from search.space import (
+        MAX_WORLD_SIZE,
+        OPTIMIZERS,
+        RECOMPUTE,
+        SCHEDULES,
+        StrategySpace,
+        enumerate_configs,
+    )
+
+    # This function's own arguments, by their names (not the space's plural knobs).
+    if model is None or not isinstance(model, (str, MLPConfig, TransformerConfig)):
         raise ValueError(
-            f"data x tensor x pipeline = {data} x {tensor} x {pipeline} = {data * tensor * pipeline} "
+            "model must be a model preset name (distir_jax.models.model_names) or an MLPConfig / "
+            f"TransformerConfig, got {model!r}"
+        )
+    for name, value in (
+        ("data", data),
+        ("tensor", tensor),
+        ("pipeline", pipeline),
+        ("microbatches", microbatches),
+        ("batch_size", batch_size),
+        ("virtual_stages", virtual_stages),
+    ):
+        _check_int(name, value)
+    _check_int("world_size", world_size, allow_none=True)
+    _check_int("seq_len", seq_len, allow_none=True)
+    for name, value, allowed in (
+        ("schedule", schedule, SCHEDULES),
+        ("recompute", recompute, RECOMPUTE),
+        ("optimizer", optimizer, OPTIMIZERS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    for name, value in (("hardware", hardware), ("dtype", dtype)):
+        if not (isinstance(value, str) or (name == "dtype" and value is None)):
+            allowed = (
+                "a preset name (distir_jax.presets.preset_names)" if name == "hardware" else "None or a str"
+            )
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    for name, value in (
+        ("zero", zero),
+        ("sequence_parallel", sequence_parallel),
+        ("overlap_grad_comm", overlap_grad_comm),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    product = data * tensor * pipeline
+    if world_size is not None and product != world_size:
+        raise ValueError(
+            f"data x tensor x pipeline = {data} x {tensor} x {pipeline} = {product} "
             f"does not equal world size {world_size}"
+        )
+    if (world_size or product) > MAX_WORLD_SIZE:
+        name = "world_size" if world_size is not None else "data x tensor x pipeline"
+        raise ValueError(
+            f"{name} must be at most MAX_WORLD_SIZE = {MAX_WORLD_SIZE} GPUs, got {world_size or product}"
         )
     space = StrategySpace(
         model=model,
-        world_sizes=(world_size or data * tensor * pipeline,),
+        world_sizes=(world_size or product,),
         global_batch_sizes=(batch_size,),
         seq_len=seq_len,
         data=(data,),
@@ -309,3 +380,12 @@ def make_config(
         optimizer=(optimizer,),
     )
     return next(enumerate_configs(space))  # degrees whose product is the world size: one row
+
+
+def _check_int(name: str, value, allow_none: bool = False) -> None:
+    """Raises a ValueError naming ``name`` unless ``value`` is an int >= 1 (or None, if allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        expected = "None or an int >= 1" if allow_none else "an int >= 1"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")

@@ -46,11 +46,34 @@ HARDWARE_DTYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16"}
 
 ModelSpec = Union[str, MLPConfig, TransformerConfig]  # noqa: UP007 (a runtime alias)
 
+# The largest world size a space takes (and GPU count in a "<preset>:<N>"
+# hardware name). A preset holds [D, D] float64 link bandwidth and latency
+# tables: 2 x 2 GiB at 16,384 GPUs, and a typo of a few more digits would
+# otherwise end in a MemoryError, not a message.
+MAX_WORLD_SIZE = 16384
+
+
+class _DefaultCounts(tuple):
+    """The default of ``StrategySpace.microbatches``: a tuple that tells the
+    default from counts given on purpose, which ``microbatch_sizes`` excludes."""
+
+    __slots__ = ()
+
+
+DEFAULT_MICROBATCHES = _DefaultCounts((1, 2, 4, 8))
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
 
 def _as_tuple(name: str, value, kind) -> tuple:
     """``value`` as a non-empty tuple of ``kind``; a scalar becomes a 1-tuple."""
     if value is None:
-        return ()
+        # None means "any" only where a knob's documentation says so; the caller
+        # handles those. Elsewhere it would leave the space empty, with no row to say why.
+        raise ValueError(f"{name} must be one {_kind_name(kind)} or a non-empty sequence of them, got None")
     if isinstance(value, (str, bool, int, MLPConfig, TransformerConfig)):
         value = (value,)
     try:
@@ -62,7 +85,9 @@ def _as_tuple(name: str, value, kind) -> tuple:
     for item in items:
         ok = isinstance(item, kind) and not (kind is int and isinstance(item, bool))
         if not ok:
-            raise ValueError(f"{name} entries must be {getattr(kind, '__name__', kind)}, got {item!r}")
+            raise ValueError(
+                f"{name} entries must be {_kind_name(kind)}, got {item!r} ({type(item).__name__})"
+            )
     return tuple(dict.fromkeys(items))  # keep order, drop repeats
 
 
@@ -84,16 +109,22 @@ def _one_of(name: str, values: tuple, allowed: tuple) -> tuple:
 class StrategySpace:
     """The knobs of a sweep; every field takes one value or a sequence of values.
 
+    None is a value only where it is documented below (``seq_len``, ``data``,
+    ``tensor``, ``pipeline``, ``microbatches``, ``microbatch_sizes``,
+    ``dtype``); elsewhere, and for an empty sequence, the space raises a
+    ``ValueError`` naming the knob.
+
     Attributes:
       model: model preset name(s) (see ``distir_jax.models.model_names``) or
         ``MLPConfig`` / ``TransformerConfig`` objects.
-      world_sizes: GPU counts.
+      world_sizes: GPU counts, at most :data:`MAX_WORLD_SIZE`.
       global_batch_sizes: samples per training step, over all replicas.
       seq_len: override of the transformers' sequence length (None: preset's).
       data, tensor, pipeline: allowed degrees (None: any factorisation).
-      microbatches: microbatch counts tried when ``pipeline > 1``.
+      microbatches: microbatch counts tried when ``pipeline > 1`` (default
+        ``(1, 2, 4, 8)``; None with ``microbatch_sizes``).
       microbatch_sizes: alternatively, samples per microbatch (exclusive with
-        ``microbatches``).
+        ``microbatches``: give one of them; the default counts give way).
       microbatches_without_pipeline: counts tried when ``pipeline == 1``.
       schedules: pipeline schedules, some of ``SCHEDULES``.
       virtual_stages: model chunks per device for ``"interleaved"``.
@@ -105,7 +136,7 @@ class StrategySpace:
         FLOP/s follow the dtype.
       hardware: hardware preset names without a count (see
         ``distir_jax.presets.preset_names``); ``"<preset>:<N>"`` is built per
-        world size.
+        world size (a count is at most :data:`MAX_WORLD_SIZE`).
       optimizer: ``"sgd"`` or ``"adam"``.
     """
 
@@ -116,7 +147,7 @@ class StrategySpace:
     data: Any = None
     tensor: Any = None
     pipeline: Any = None
-    microbatches: Any = (1, 2, 4, 8)
+    microbatches: Any = DEFAULT_MICROBATCHES
     microbatch_sizes: Any = None
     microbatches_without_pipeline: Any = (1,)
     schedules: Any = ("1f1b",)
@@ -134,14 +165,28 @@ class StrategySpace:
         set_("model", _as_tuple("model", self.model, (str, MLPConfig, TransformerConfig)))
         for name in ("world_sizes", "global_batch_sizes", "microbatches_without_pipeline", "virtual_stages"):
             set_(name, _positive(name, _as_tuple(name, getattr(self, name), int)))
+        too_large = [w for w in self.world_sizes if w > MAX_WORLD_SIZE]
+        if too_large:
+            raise ValueError(
+                f"world_sizes must be at most MAX_WORLD_SIZE = {MAX_WORLD_SIZE} GPUs, got {too_large} "
+                "(a preset's [D, D] link tables would not fit in memory)"
+            )
         for name in ("data", "tensor", "pipeline", "microbatch_sizes"):
             value = getattr(self, name)
             set_(name, None if value is None else _positive(name, _as_tuple(name, value, int)))
         if self.microbatch_sizes is not None:
+            if self.microbatches is not None and not isinstance(self.microbatches, _DefaultCounts):
+                raise ValueError(
+                    f"microbatches={self.microbatches!r} and microbatch_sizes={self.microbatch_sizes!r} "
+                    "both set the microbatches of pipelines: give one of them (the other None)"
+                )
             set_("microbatches", None)
         elif self.microbatches is None:
-            raise ValueError("give microbatches (counts) or microbatch_sizes")
-        else:
+            raise ValueError(
+                "microbatches is None and microbatch_sizes is None: give microbatch counts "
+                "(microbatches) or samples per microbatch (microbatch_sizes)"
+            )
+        elif not isinstance(self.microbatches, _DefaultCounts):  # the default is valid as it is
             set_("microbatches", _positive("microbatches", _as_tuple("microbatches", self.microbatches, int)))
         if self.seq_len is not None and (
             isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1
@@ -168,6 +213,17 @@ class StrategySpace:
             raise ValueError(
                 f"hardware: unknown preset(s) {unknown}; expected some of {presets} (a calibrated "
                 "preset is registered first: register_calibrated_preset, or the CLI's --presets)"
+            )
+        counts = [h.partition(":")[2] for h in self.hardware]
+        too_large = [
+            h
+            for h, n in zip(self.hardware, counts, strict=True)
+            if n.isascii() and n.isdigit() and int(n) > MAX_WORLD_SIZE
+        ]
+        if too_large:
+            raise ValueError(
+                f"hardware: GPU count(s) of {too_large} exceed MAX_WORLD_SIZE = {MAX_WORLD_SIZE} "
+                "(a preset's [D, D] link tables would not fit in memory)"
             )
         # Degrees restrict the factorisations; restricted to none, the sweep would be
         # empty with no row to say why. (A world size some other one leaves rows for

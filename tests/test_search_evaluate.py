@@ -218,7 +218,7 @@ def test_process_slices_partition_the_sweep(swept):
 
 def test_a_results_file_has_a_manifest_of_its_slice(swept, tmp_path):
     """Written before the first row; a file cut short lacks what the manifest lists."""
-    from search.manifest import manifest_gap, manifest_path
+    from search.manifest import manifest_gap, manifest_path, manifest_sweep
 
     configs, _ = swept
     subset = configs[:20]
@@ -226,6 +226,8 @@ def test_a_results_file_has_a_manifest_of_its_slice(swept, tmp_path):
     table = evaluate(subset, results_path=path, progress=False, process_index=1, process_count=3)
     manifest = json.loads(pathlib.Path(manifest_path(path)).read_text())
     assert manifest_path(path) == str(tmp_path / "new" / "part1.manifest.json")
+    # The sweep's id (every part's manifest names the same one: see search.manifest).
+    assert manifest.pop("sweep") == manifest_sweep(path) and len(manifest_sweep(path)) == 16
     assert manifest == {
         "configurations": 20,
         "part": 1,
@@ -516,3 +518,42 @@ def test_a_fresh_sweep_replaces_an_earlier_file_only_with_its_rows(tmp_path, mon
     fresh = evaluate(space, results_path=path, resume=False, checkpoint_seconds=0, progress=False)
     assert ResultTable.read(path) == fresh == evaluate(space, progress=False)
     assert len(json.loads(manifest.read_text())["config_ids"]) == len(fresh)
+
+
+@pytest.mark.parametrize(
+    "index, count, message",
+    [
+        (0, 0, r"^process_count must be None or an int >= 1, got 0"),
+        (0, -1, r"^process_count must be None or an int >= 1, got -1"),
+        (0, "2", r"^process_count must be None or an int >= 1, got '2'"),
+        (-1, 2, r"^process_index must be None or an int >= 0, got -1"),
+        (2, 2, r"^process_index must be in \[0, 2\), got 2"),
+    ],
+)
+def test_process_slice_errors_name_the_bad_argument(index, count, message):
+    space = StrategySpace(model="mlp-xs", world_sizes=(1,))
+    with pytest.raises(ValueError, match=message):
+        evaluate(space, progress=False, process_index=index, process_count=count)
+
+
+@pytest.mark.parametrize("function", ["simulate_config", "summarize_config", "coarse_chrome_trace"])
+@pytest.mark.parametrize("bad", [{"model": "mlp-xs"}, StrategySpace(model="mlp-xs", world_sizes=(1,)), None])
+def test_single_config_functions_say_they_need_a_config(function, bad):
+    import search.single
+
+    with pytest.raises(
+        TypeError, match=r"^config must be a search.Config \(from make_config or enumerate_configs\)"
+    ):
+        getattr(search.single, function)(bad)
+
+
+def test_calibrate_configs_says_it_needs_configs():
+    from search import calibrate_configs, make_config
+
+    space = StrategySpace(model="mlp-xs", world_sizes=(1,))
+    with pytest.raises(TypeError, match=r"^configs must be a sequence of search.Config.*got a StrategySpace"):
+        calibrate_configs(space, [1.0])
+    with pytest.raises(TypeError, match=r"^configs must be a sequence of search.Config.*got Config"):
+        calibrate_configs(make_config("mlp-xs"), [1.0])
+    with pytest.raises(TypeError, match=r"^configs\[1\] must be a search.Config .*got dict"):
+        calibrate_configs([make_config("mlp-xs"), {"model": "mlp-xs"}], [1.0, 1.0])

@@ -237,3 +237,40 @@ def test_read_names_the_line_and_column_of_a_damaged_file(tmp_path):
         ResultTable.read(cut)
     # Rows that are not ok keep inf step times (an invalid row's) and read as before.
     assert ResultTable.read(tmp_path / "r.csv") == HAND_MADE
+
+
+def test_unknown_columns_are_value_errors_listing_the_columns():
+    with pytest.raises(
+        ValueError, match=r"where: unknown column\(s\) \['bogus'\]; the columns are .*'config_id'"
+    ):
+        HAND_MADE.where(bogus=1)
+    with pytest.raises(ValueError, match=r"columns: unknown column\(s\) \['bogus'\]; the columns are"):
+        HAND_MADE.format(columns=["data", "bogus"])
+    with pytest.raises(KeyError, match="the columns are"):
+        HAND_MADE["bogus"]
+
+
+def test_format_takes_one_column_name_and_a_limit_of_zero():
+    assert HAND_MADE.format(columns="data").splitlines() == HAND_MADE.format(columns=["data"]).splitlines()
+    assert HAND_MADE.format(columns="data").splitlines()[:2] == ["d", "0"]
+    header_only = HAND_MADE.format(limit=0)  # once `limit or len(self)`: every row
+    assert header_only.split() == HAND_MADE.format().splitlines()[0].split() and "\n" not in header_only
+    assert len(HAND_MADE.format(limit=2).splitlines()) == 3
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match=r"limit must be None or an int >= 0"):
+            HAND_MADE.format(limit=bad)
+
+
+@pytest.mark.parametrize("query", ["top_k", "closest_to_fitting"])
+@pytest.mark.parametrize("bad", [math.nan, "1e9", 0, -1.0, True, [1e9]])
+def test_memory_limit_must_be_a_positive_number_or_none(query, bad):
+    with pytest.raises(ValueError, match=r"memory_limit must be None or a positive number"):
+        getattr(HAND_MADE, query)(5, memory_limit=bad)
+
+
+@pytest.mark.parametrize("query", ["top_k", "closest_to_fitting"])
+def test_k_must_be_a_count(query):
+    for bad in (-1, 2.5, "3", None):
+        with pytest.raises(ValueError, match=r"k must be an int >= 0"):
+            getattr(HAND_MADE, query)(bad)
+    assert len(getattr(HAND_MADE, query)(np.int64(1), memory_limit=np.float64(25e9))) == 1

@@ -225,3 +225,102 @@ def test_one_config_from_knobs_says_when_its_degrees_do_not_make_the_world_size(
         make_config("mlp-xs", world_size=4, data=2)
     config = make_config("mlp-xs", world_size=4, data=2, tensor=2)
     assert (config.world_size, config.data, config.tensor, config.pipeline) == (4, 2, 2, 1) and config.valid
+
+
+@pytest.mark.parametrize(
+    "knob",
+    [
+        "model",
+        "world_sizes",
+        "global_batch_sizes",
+        "microbatches_without_pipeline",
+        "schedules",
+        "virtual_stages",
+        "recompute",
+        "zero",
+        "sequence_parallel",
+        "overlap_grad_comm",
+        "hardware",
+        "optimizer",
+    ],
+)
+def test_none_is_an_error_naming_the_knob_where_it_has_no_documented_meaning(knob):
+    # These once left the space empty (or, for microbatches_without_pipeline, dropped
+    # every pipeline == 1 row) without a word.
+    with pytest.raises(
+        ValueError, match=rf"^{knob} must be one .* or a non-empty sequence of them, got None"
+    ):
+        StrategySpace(**{knob: None})
+
+
+def test_none_keeps_its_documented_meanings():
+    base = search.count_configs(StrategySpace(model="mlp-xs", world_sizes=(2,)))
+    for knob in ("seq_len", "data", "tensor", "pipeline", "microbatch_sizes", "dtype"):
+        assert search.count_configs(StrategySpace(model="mlp-xs", world_sizes=(2,), **{knob: None})) == base
+
+
+def test_microbatches_and_microbatch_sizes_are_exclusive():
+    with pytest.raises(ValueError, match=r"microbatches=\(2,\) and microbatch_sizes=\(8,\) both set"):
+        StrategySpace(microbatches=(2,), microbatch_sizes=(8,))
+    # The default counts give way to sizes (and a space made so can be replaced either way).
+    space = StrategySpace(world_sizes=(4,), pipeline=(2,), microbatch_sizes=(8,))
+    assert space.microbatches is None and space == StrategySpace(
+        world_sizes=(4,), pipeline=(2,), microbatches=None, microbatch_sizes=(8,)
+    )
+    assert StrategySpace().replace(microbatch_sizes=(8,)).microbatch_sizes == (8,)
+    with pytest.raises(ValueError, match="microbatches is None and microbatch_sizes is None"):
+        space.replace(microbatch_sizes=None)
+    assert StrategySpace().microbatches == (1, 2, 4, 8)
+
+
+def test_world_sizes_are_bounded_before_a_preset_is_built():
+    with pytest.raises(
+        ValueError, match=r"world_sizes must be at most MAX_WORLD_SIZE = 16384 GPUs, got \[1000000\]"
+    ):
+        search.count_configs(StrategySpace(model="mlp-xs", world_sizes=10**6))
+    with pytest.raises(ValueError, match=r"hardware: GPU count\(s\) of \['dgx-a100-80gb:1000000'\] exceed"):
+        StrategySpace(model="mlp-xs", hardware="dgx-a100-80gb:1000000")
+    from search.space import MAX_WORLD_SIZE
+
+    assert StrategySpace(model="mlp-xs", world_sizes=MAX_WORLD_SIZE, data=MAX_WORLD_SIZE).world_sizes == (
+        16384,
+    )
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        (dict(data=0), r"^data must be an int >= 1, got 0"),
+        (dict(tensor=-2), r"^tensor must be an int >= 1, got -2"),
+        (dict(pipeline=1.0), r"^pipeline must be an int >= 1, got 1.0"),
+        (dict(data="2"), r"^data must be an int >= 1, got '2'"),
+        (dict(microbatches=0), r"^microbatches must be an int >= 1, got 0"),
+        (dict(batch_size=0), r"^batch_size must be an int >= 1, got 0"),
+        (dict(virtual_stages=True), r"^virtual_stages must be an int >= 1, got True"),
+        (dict(world_size=0), r"^world_size must be None or an int >= 1, got 0"),
+        (dict(seq_len="16"), r"^seq_len must be None or an int >= 1"),
+        (
+            dict(schedule="zigzag"),
+            r"^schedule must be one of \['gpipe', '1f1b', 'interleaved'\], got 'zigzag'",
+        ),
+        (dict(recompute=None), r"^recompute must be one of"),
+        (dict(optimizer="lion"), r"^optimizer must be one of"),
+        (dict(hardware=None), r"^hardware must be a preset name"),
+        (dict(dtype=16), r"^dtype must be None or a str"),
+        (dict(zero=1), r"^zero must be True or False, got 1"),
+        (dict(world_size=10**6, data=10**6), r"^world_size must be at most MAX_WORLD_SIZE"),
+    ],
+)
+def test_make_config_names_its_own_arguments(knobs, message):
+    from search.single import make_config
+
+    with pytest.raises(ValueError, match=message):
+        make_config("mlp-xs", **knobs)
+
+
+@pytest.mark.parametrize("model", [None, 3, ("mlp-xs",)])
+def test_make_config_needs_one_model(model):
+    from search.single import make_config
+
+    with pytest.raises(ValueError, match=r"^model must be a model preset name"):
+        make_config(model)

@@ -105,18 +105,6 @@ def reference_simulate(
     for i, op in enumerate(fn.ops):
         per_device = costs[i] if costs is not None else cost_fn(op, topology)
         resources = [(d, op.stream) for d in op.devices]
-        for d in op.devices:
-            # Python's max() passes NaN over (max(0.0, nan) is 0.0): a bad cost must not vanish.
-            try:
-                c = float(per_device[d])
-            except (KeyError, IndexError, TypeError, ValueError):
-                c = None
-            if c is None or not c >= 0.0:
-                result = op.outputs[0].name if op.outputs else "no result"
-                raise ValueError(
-                    f"op {i} ({op.op_type} -> {result}) on device {d}: its cost must be a number >= 0, "
-                    f"got {'none' if c is None else c}"
-                )
         start = 0.0
         for v in op.inputs:
             if v.name in producer:
@@ -125,7 +113,16 @@ def reference_simulate(
             start = max(start, clock.get(r, 0.0))
         longest = 0.0
         for r in resources:
-            c = float(per_device[r[0]])
+            try:
+                c = float(per_device[r[0]])
+            except (KeyError, IndexError, TypeError, ValueError):
+                c = None
+            # Python's max() passes NaN over (max(0.0, nan) is 0.0): a bad cost must not vanish.
+            if c is None or not c >= 0.0:
+                raise ValueError(
+                    f"op {i} ({op.op_type} -> {op.outputs[0].name if op.outputs else 'no result'}) on "
+                    f"device {r[0]}: its cost must be a number >= 0, got {'none' if c is None else c}"
+                )
             clock[r] = start + c
             busy[r] = busy.get(r, 0.0) + c
             longest = max(longest, c)
