@@ -11,8 +11,9 @@ side in one run:
 * ``optax.adam(0.05)``, 500 steps,
 * ``optax.lbfgs()``, 100 steps.
 
-Two problem sets: 6 probe programs that each lean on one figure (a MatMul,
-an elementwise op, a large and a tiny Send, a chain of small kernels, a mix),
+Two problem sets: the 6 probe programs of ``dj.calibration_probes()``, each
+leaning on one figure (a MatMul, an elementwise op, a large and a tiny Send, a
+chain of small kernels, a mix),
 and training steps of GPT-2 small (or, with ``--quick``, of a 4-layer
 transformer) under data, tensor and pipeline parallelism, whose step times all
 depend on every figure at once (a harder, ill-conditioned fit).
@@ -36,26 +37,6 @@ from search import calibrate_configs, make_config, simulate_config
 
 TRUTH = dict(peak_flops=0.55, memory_bandwidth=0.8, link_bandwidth=0.4, link_latency=3.0, launch_overhead=2.0)
 NOMINAL = "dgx-a100-80gb"
-
-
-def _probe(kind: str) -> dj.Function:
-    b = dj.FunctionBuilder(kind)
-    if kind == "matmul":
-        y = b.add("MatMul", b.input("x", (4096, 4096)), b.input("w", (4096, 4096)))
-    elif kind == "elementwise":
-        y = b.add("Relu", b.input("x", (8192, 8192)))
-    elif kind == "large_send":
-        y = b.add("Send", b.input("x", (4096, 4096)), to=1)
-    elif kind == "tiny_send":
-        y = b.add("Send", b.input("x", (4,)), to=1)
-    elif kind == "launches":
-        y = b.input("x", (8,))
-        for _ in range(20):
-            y = b.add("Relu", y)
-    else:
-        h = b.add("Relu", b.add("MatMul", b.input("x", (1024, 1024)), b.input("w", (1024, 1024))))
-        y = b.add("MatMul", b.add("Send", h, to=1), b.input("w1", (1024, 1024), device=1))
-    return b.build(y)
 
 
 def _optimizers():
@@ -84,9 +65,9 @@ def main() -> None:
     base = dj.get_preset(f"{NOMINAL}:8")
     lab = dj.get_preset("lab:8")
 
-    kinds = ("matmul", "elementwise", "large_send", "tiny_send", "launches", "mixed")
-    programs = [dj.lower(_probe(k), base) for k in kinds]
-    measured = [dj.reference_simulate(_probe(k), lab).step_time for k in kinds]
+    probes = dj.calibration_probes()
+    programs = [dj.lower(fn, base) for fn in probes.values()]
+    measured = [dj.reference_simulate(fn, lab).step_time for fn in probes.values()]
     print(f"6 probe programs (reference-simulated on the lab cluster), {len(TRUTH)} factors:")
     for name, optimizer, steps in _optimizers():
         start = time.perf_counter()

@@ -11,6 +11,7 @@ from distir_jax.calibrate import (
     CALIBRATABLE_FIELDS,
     Calibration,
     calibrate,
+    calibration_probes,
     load_calibration,
     save_calibration,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "Topology",
     "Value",
     "calibrate",
+    "calibration_probes",
     "execute",
     "get_preset",
     "get_spec",

@@ -35,12 +35,21 @@ import numpy as np
 import optax
 
 from distir_jax.hardware import Hardware
+from distir_jax.ir.builder import FunctionBuilder
+from distir_jax.ir.function import Function
 from distir_jax.ir.topology import Topology
 from distir_jax.kernel import simulate
 from distir_jax.lower import Program, _check_program, stack_programs
 from distir_jax.presets import register_calibrated_preset
 
-__all__ = ["CALIBRATABLE_FIELDS", "Calibration", "calibrate", "load_calibration", "save_calibration"]
+__all__ = [
+    "CALIBRATABLE_FIELDS",
+    "Calibration",
+    "calibrate",
+    "calibration_probes",
+    "load_calibration",
+    "save_calibration",
+]
 
 # Topology fields that set op durations (memory capacity sets none).
 CALIBRATABLE_FIELDS = ("peak_flops", "memory_bandwidth", "link_bandwidth", "link_latency", "launch_overhead")
@@ -241,6 +250,43 @@ def _descend(residual, theta: np.ndarray, optimizer, steps: int) -> tuple[np.nda
     run = jax.jit(lambda t: jax.lax.scan(step, (t, optimizer.init(t)), length=steps))
     (theta, _), losses = run(jnp.asarray(theta))
     return np.asarray(theta), np.asarray(losses)
+
+
+def calibration_probes() -> dict[str, Function]:
+    """Small programs that each lean on one hardware figure: time the same work on
+    a cluster (f32, devices 0 and 1), then :func:`calibrate` with their lowered forms.
+
+    Returns:
+      By name: ``matmul`` ([4096, 4096] @ [4096, 4096]: peak FLOP/s),
+      ``elementwise`` (Relu of [8192, 8192]: memory bandwidth), ``large_send``
+      ([4096, 4096] from device 0 to 1: link bandwidth), ``tiny_send`` (4 floats:
+      link latency), ``launches`` (20 Relus of 8 floats in a row: kernel launch
+      overhead) and ``mixed`` (MatMul, Relu, Send, MatMul over both devices).
+    """
+
+    def build(name: str, body) -> Function:
+        b = FunctionBuilder(name)
+        return b.build(body(b))
+
+    def launches(b):
+        y = b.input("x", (8,))
+        for _ in range(20):
+            y = b.add("Relu", y)
+        return y
+
+    def mixed(b):
+        h = b.add("Relu", b.add("MatMul", b.input("x", (1024, 1024)), b.input("w", (1024, 1024))))
+        return b.add("MatMul", b.add("Send", h, to=1), b.input("w1", (1024, 1024), device=1))
+
+    bodies = {
+        "matmul": lambda b: b.add("MatMul", b.input("x", (4096, 4096)), b.input("w", (4096, 4096))),
+        "elementwise": lambda b: b.add("Relu", b.input("x", (8192, 8192))),
+        "large_send": lambda b: b.add("Send", b.input("x", (4096, 4096)), to=1),
+        "tiny_send": lambda b: b.add("Send", b.input("x", (4,)), to=1),
+        "launches": launches,
+        "mixed": mixed,
+    }
+    return {name: build(name, body) for name, body in bodies.items()}
 
 
 def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:

@@ -8,30 +8,14 @@ import pytest
 
 import distir_jax as dj
 
-# Programs that each lean on one field: compute, memory, link bandwidth, link
-# latency, kernel launches, and a mix of all of them on two devices.
-KINDS = ("matmul", "relu", "send_big", "send_small", "launches", "mixed")
+# dj.calibration_probes(): programs that each lean on one field (compute, memory,
+# link bandwidth, link latency, kernel launches) and a mix of them on two devices.
+KINDS = ("matmul", "elementwise", "large_send", "tiny_send", "launches", "mixed")
 TRUTH = dict(peak_flops=0.55, memory_bandwidth=0.8, link_bandwidth=0.4, link_latency=3.0, launch_overhead=2.0)
 
 
 def _function(kind: str) -> dj.Function:
-    b = dj.FunctionBuilder(kind)
-    if kind == "matmul":
-        y = b.add("MatMul", b.input("x", (4096, 4096)), b.input("w", (4096, 4096)))
-    elif kind == "relu":
-        y = b.add("Relu", b.input("x", (8192, 8192)))
-    elif kind == "send_big":
-        y = b.add("Send", b.input("x", (4096, 4096)), to=1)
-    elif kind == "send_small":
-        y = b.add("Send", b.input("x", (4,)), to=1)
-    elif kind == "launches":
-        y = b.input("x", (8,))
-        for _ in range(20):
-            y = b.add("Relu", y)
-    else:
-        h = b.add("Relu", b.add("MatMul", b.input("x", (1024, 1024)), b.input("w", (1024, 1024))))
-        y = b.add("MatMul", b.add("Send", h, to=1), b.input("w1", (1024, 1024), device=1))
-    return b.build(y)
+    return dj.calibration_probes()[kind]
 
 
 def _scaled(topology: dj.Topology, factors: dict) -> dj.Topology:
@@ -83,7 +67,7 @@ def test_any_optax_optimizer(base, measured_on_truth, optimizer):
 
 def test_fields_not_measured_are_unconstrained(base):
     truth = _scaled(base, TRUTH)
-    functions = [_function(kind) for kind in ("matmul", "relu", "launches")]  # one device, no message
+    functions = [_function(kind) for kind in ("matmul", "elementwise", "launches")]  # one device, no message
     measured = [dj.reference_simulate(fn, truth).step_time for fn in functions]
     fit = dj.calibrate([dj.lower(fn, base) for fn in functions], measured, base)
     assert set(fit.unconstrained) == {"link_bandwidth", "link_latency"}
@@ -145,7 +129,7 @@ def test_size_variants_are_measurements(base):
     ],
 )
 def test_bad_input_is_named(base, kwargs, message):
-    programs = [dj.lower(_function(kind), base) for kind in ("matmul", "send_big")]
+    programs = [dj.lower(_function(kind), base) for kind in ("matmul", "large_send")]
     args = dict(programs=programs, measured=[1e-3, 1e-3], topology=base) | kwargs
     with pytest.raises(ValueError, match=message):
         dj.calibrate(args.pop("programs"), args.pop("measured"), args.pop("topology"), **args)
@@ -161,7 +145,7 @@ def test_a_program_that_takes_no_time_is_named(base):
 
 def test_programs_for_fewer_devices_use_the_first_ones(base):
     # Lowered for a 2-device cluster, measured on devices 0 and 1 of the 8-device one.
-    functions = [_function(kind) for kind in ("send_big", "matmul")]
+    functions = [_function(kind) for kind in ("large_send", "matmul")]
     truth = _scaled(base, {"link_bandwidth": 0.4, "peak_flops": 0.55})
     measured = [dj.reference_simulate(fn, truth).step_time for fn in functions]
     programs = [dj.lower(fn, dj.Topology.uniform(2)) for fn in functions]
@@ -381,3 +365,18 @@ def test_a_factor_the_fit_drives_to_zero_stays_fitted():
     assert fit.unconstrained == ()
     assert fit.scales["peak_flops"] == pytest.approx(0.5, rel=1e-6) and fit.scales["launch_overhead"] < 1e-3
     np.testing.assert_allclose(fit.predicted, measured, rtol=1e-6)
+
+
+def test_the_probes_lean_each_on_its_own_field(base):
+    """Each probe's step time moves with its own figure far more than with the others."""
+    probes = dj.calibration_probes()
+    assert list(probes) == list(KINDS)
+    own = dict(matmul="peak_flops", elementwise="memory_bandwidth", large_send="link_bandwidth")
+    own |= dict(tiny_send="link_latency", launches="launch_overhead")
+    for kind, field in own.items():
+        nominal = dj.reference_simulate(probes[kind], base).step_time
+        moved = {
+            f: abs(dj.reference_simulate(probes[kind], _scaled(base, {f: 2.0})).step_time / nominal - 1)
+            for f in TRUTH
+        }
+        assert max(moved, key=moved.get) == field and moved[field] > 0.3, (kind, moved)
