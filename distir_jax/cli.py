@@ -994,8 +994,12 @@ def _simulate(args) -> int:
     if args.full and args.engine == "fast":
         raise ValueError("--full simulates every replica of the fine program: --engine exact, or no --engine")
     engine = args.engine or ("exact" if args.full else "fast")
-    if args.sequence_parallel and args.tensor == 1:  # the configuration would drop it, silently
+    # Switches the configuration would drop, silently, for want of the degree they act on.
+    if args.sequence_parallel and args.tensor == 1:
         raise ValueError("--sequence-parallel splits the sequence over a tensor group: give --tensor > 1")
+    for flag, on in (("--zero", args.zero), ("--overlap-grad-comm", args.overlap_grad_comm)):
+        if on and args.data == 1:
+            raise ValueError(f"{flag} acts on the gradients of data-parallel replicas: give --data > 1")
 
     config = make_config(args.model, **{name: getattr(args, name) for name, _ in _SIMULATE_KNOBS[1:]})
     if args.trace:  # before a simulation that may take minutes

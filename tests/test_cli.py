@@ -666,6 +666,8 @@ def test_merge_never_overwrites_one_of_its_inputs(tmp_path, capsys, monkeypatch)
     [
         (["sweep", "--microbatches", "2", "--microbatch-sizes", "4"], "give one of them"),
         (["simulate", "--model", "mlp-xs", "--sequence-parallel"], "--tensor > 1"),
+        (["simulate", "--model", "mlp-xs", "--zero"], "--zero acts on the gradients of data-parallel"),
+        (["simulate", "--model", "mlp-xs", "--overlap-grad-comm", "--tensor", "2"], "give --data > 1"),
         (["sweep", "--world-sizes", "4", "--tensor", "1", "--sequence-parallel", "yes"], "tensor degree > 1"),
         (["sweep", "--world-sizes", "1", "--sequence-parallel", "both"], "tensor degree > 1"),
     ],
