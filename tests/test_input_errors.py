@@ -126,3 +126,13 @@ def test_simulate_names_an_argument_of_the_wrong_shape():
         args = dict(hardware=hardware) | changes
         with pytest.raises(ValueError, match=message):
             dj.simulate(program, args.pop("hardware"), **args)
+
+
+def test_size_variants_must_agree_across_inputs():
+    b = dj.FunctionBuilder("variants")
+    b.input("x", (np.array([32, 64]), 1024))
+    with pytest.raises(ValueError, match="input %y has 3 size variants but %x has 2"):
+        b.input("y", (np.array([1, 2, 3]), 8))
+    with pytest.raises(ValueError, match=r"input %z: .* is a 1-D array, got shape \(1, 2\)"):
+        b.input("z", (np.array([[1, 2]]), 8))
+    b.input("w", (1024, np.array([8, 16])))  # as many variants: fine

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from distir_jax.ir.function import Function, Op, Value
 from distir_jax.ir.typecheck import infer_op_types
 from distir_jax.ir.types import TensorType
@@ -28,6 +30,7 @@ class FunctionBuilder:
         self._ops: list[Op] = []
         self._names: set[str] = set()
         self._values: dict[str, Value] = {}  # what each name of this builder holds
+        self._variants: tuple[int, str] | None = None  # (size variants, the first input with them)
         self._counter = 0
 
     def _fresh(self, hint: str | None) -> str:
@@ -44,7 +47,23 @@ class FunctionBuilder:
                 return name
 
     def input(self, name: str, shape, dtype: str = "f32", device: int = 0) -> Value:
-        """Declares a function input (weights, data, optimizer state)."""
+        """Declares a function input (weights, data, optimizer state); a dimension may
+        be a 1-D array of size variants, as many in every input that has them."""
+        for dim in shape:
+            variants = np.shape(dim)
+            if not variants:
+                continue
+            if len(variants) != 1 or variants[0] < 1:
+                raise ValueError(
+                    f"input %{name}: a size-variant dimension is a 1-D array, got shape {variants}"
+                )
+            first = self._variants or (variants[0], name)
+            if variants[0] != first[0]:
+                raise ValueError(
+                    f"input %{name} has {variants[0]} size variants but %{first[1]} has {first[0]}: "
+                    "every size-variant dimension of a function lists the same variants"
+                )
+            self._variants = first
         value = Value(self._fresh(name), TensorType(tuple(shape), dtype, device))
         self._inputs.append(value)
         self._values[value.name] = value
