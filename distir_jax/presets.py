@@ -360,11 +360,6 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         number = isinstance(factor, (int, float, np.number)) and not isinstance(factor, (bool, np.bool_))
         if not (number and np.isfinite(factor) and factor > 0):
             raise ValueError(f"scales[{field!r}] must be a positive finite number, got {factor!r}")
-    signature = (base, tuple(sorted((field, float(factor)) for field, factor in scales.items())))
-    if _CALIBRATED.get(name) == signature:
-        return  # the same preset again (a calibration file loaded twice)
-    if name in PRESETS:
-        raise ValueError(f"preset {name!r} is already registered; pick another name")
     s = {field: float(scales.get(field, 1.0)) for field in CALIBRATABLE_FIELDS}
     spec = _NODES[base]
     gpu = dataclasses.replace(
@@ -374,7 +369,7 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         memory_bandwidth=spec.gpu.memory_bandwidth * s["memory_bandwidth"],
     )
     networked = spec.inter_bandwidth is not None
-    _NODES[name] = dataclasses.replace(
+    node = dataclasses.replace(
         spec,
         gpu=gpu,
         intra_bandwidth=spec.intra_bandwidth * s["link_bandwidth"],
@@ -383,6 +378,11 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         inter_latency=spec.inter_latency * s["link_latency"] if networked else None,
         launch_overhead=spec.launch_overhead * s["launch_overhead"],
     )
+    if name in PRESETS:
+        if _NODES.get(name) == node:
+            return  # the same preset again (a calibration file loaded twice)
+        raise ValueError(f"preset {name!r} is already registered; pick another name")
+    _NODES[name] = node
     dtype = inspect.signature(PRESETS[base]).parameters["dtype"].default
 
     def constructor(num_nodes: int = 1, dtype: str = dtype) -> Topology:
@@ -392,11 +392,6 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         return _build(name, _NODES[name].gpus_per_node * num_nodes, dtype)
 
     PRESETS[name] = constructor
-    _CALIBRATED[name] = signature
-
-
-# Calibrated presets by name: (base, sorted scales), to tell a repeated registration from a clash.
-_CALIBRATED: dict[str, tuple] = {}
 
 
 def preset_names() -> list[str]:

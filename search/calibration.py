@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from distir_jax.calibrate import Calibration, calibrate
 from distir_jax.lower import lower
 from search.results import COLUMNS
-from search.space import Config, StrategySpace
+from search.space import Config
 
 # The measurements file's column of measured seconds per step; its other
 # columns are a results table's knob columns (a sweep's rows, measured).
@@ -53,18 +53,9 @@ def calibrate_configs(configs: Sequence[Config], measured, **options) -> Calibra
         the largest, or what ``calibrate`` rejects.
     """
     from search._transform import build_function
-    from search.single import require_config
+    from search.single import require_configs
 
-    if isinstance(configs, (Config, StrategySpace, str, Mapping)) or not isinstance(configs, Iterable):
-        what = "a StrategySpace (its rows: list(enumerate_configs(space)))"
-        if not isinstance(configs, StrategySpace):
-            what = type(configs).__name__
-        raise TypeError(
-            f"configs must be a sequence of search.Config (from make_config or enumerate_configs), got {what}"
-        )
-    configs = list(configs)
-    for i, config in enumerate(configs):
-        require_config(f"configs[{i}]", config)
+    configs = require_configs("configs", configs)
     if not configs:
         raise ValueError("calibrate_configs needs at least one configuration")
     for i, config in enumerate(configs):

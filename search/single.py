@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -135,10 +136,25 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
 def require_config(name: str, value) -> None:
     """Raises a TypeError naming argument ``name`` unless ``value`` is one :class:`Config`."""
     if not isinstance(value, Config):
-        what = "a StrategySpace (one of its rows: list(enumerate_configs(space)))"
-        if not isinstance(value, StrategySpace):
-            what = type(value).__name__
-        raise TypeError(f"{name} must be a search.Config (from make_config or enumerate_configs), got {what}")
+        raise _not_configs(name, "a search.Config", value, "one of its rows")
+
+
+def require_configs(name: str, values) -> list:
+    """``values`` as a list of :class:`Config`; a TypeError names ``name`` (or the
+    entry ``name[i]``) when it is not a sequence of them."""
+    if isinstance(values, (Config, StrategySpace, str, Mapping)) or not isinstance(values, Iterable):
+        raise _not_configs(name, "a sequence of search.Config", values, "its rows")
+    values = list(values)
+    for i, value in enumerate(values):
+        require_config(f"{name}[{i}]", value)
+    return values
+
+
+def _not_configs(name: str, expected: str, value, rows: str) -> TypeError:
+    what = type(value).__name__
+    if isinstance(value, StrategySpace):
+        what = f"a StrategySpace ({rows}: list(enumerate_configs(space)))"
+    return TypeError(f"{name} must be {expected} (from make_config or enumerate_configs), got {what}")
 
 
 def _op_devices(prepared) -> np.ndarray:

@@ -165,7 +165,6 @@ def registry(monkeypatch):
 
     monkeypatch.setattr(presets, "PRESETS", dict(presets.PRESETS))
     monkeypatch.setattr(presets, "_NODES", dict(presets._NODES))
-    monkeypatch.setattr(presets, "_CALIBRATED", dict(presets._CALIBRATED))
     return presets
 
 
@@ -275,7 +274,6 @@ def test_calibration_file_round_trip(tmp_path, registry, monkeypatch):
     # Another process: the registries as they start.
     monkeypatch.setattr(registry, "PRESETS", {k: v for k, v in registry.PRESETS.items() if k != "a100-file"})
     monkeypatch.setattr(registry, "_NODES", {k: v for k, v in registry._NODES.items() if k != "a100-file"})
-    monkeypatch.setattr(registry, "_CALIBRATED", {})
     assert "a100-file" not in dj.preset_names()
     assert dj.load_calibration(path) == "a100-file"
     assert dj.load_calibration(path) == "a100-file"  # again: nothing changes

@@ -730,7 +730,7 @@ def test_calibrate_then_sweep_and_simulate_on_the_calibrated_preset(tmp_path, ca
     import distir_jax as dj
     from distir_jax import presets
 
-    for registry in ("PRESETS", "_NODES", "_CALIBRATED"):  # this test's presets go with it
+    for registry in ("PRESETS", "_NODES"):  # this test's presets go with it
         monkeypatch.setattr(presets, registry, dict(getattr(presets, registry)))
     truth = dict(
         peak_flops=0.5, memory_bandwidth=0.75, link_bandwidth=0.4, link_latency=2.0, launch_overhead=1.5
@@ -750,7 +750,7 @@ def test_calibrate_then_sweep_and_simulate_on_the_calibrated_preset(tmp_path, ca
     assert json.loads(calibration.read_text())["scales"] == pytest.approx(truth, rel=1e-6)
 
     # Another process would start without the preset: only the file brings it back.
-    for registry in ("PRESETS", "_NODES", "_CALIBRATED"):
+    for registry in ("PRESETS", "_NODES"):
         table = {k: v for k, v in getattr(presets, registry).items() if k != "a100-lab"}
         monkeypatch.setattr(presets, registry, table)
     sweep = ["sweep", "--model", "mlp-small", "--world-sizes", "4", "--batch-sizes", "64", "--no-progress"]
