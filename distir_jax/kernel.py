@@ -102,17 +102,30 @@ def _gather_one(table, idx):
 
 
 def _scatter(table, idx, values, add=False):
-    """Writes ``values [K, B]`` into rows ``idx``; out-of-range rows are dropped."""
+    """Writes ``values [K, B]`` into rows ``idx``; out-of-range rows are dropped.
+
+    An op's resources are distinct (lowering takes each device once), and
+    rows past the end are moved to distinct places past the end, so every
+    index is unique and the scatter says so. That matters for derivatives:
+    JAX differentiates a scatter that may repeat an index by tagging every
+    element of the table with an id, a table-sized scatter and gather per
+    step (the Jacobian of a 33k-op, 8-row batch took 5.7 s instead of 0.3 s).
+    """
+    x = table.shape[0]
+    # Slot k of a missing row goes to x + k: past the end, and apart from the others.
+    slot = jnp.arange(idx.shape[0], dtype=idx.dtype).reshape((-1,) + (1,) * (idx.ndim - 1))
     if idx.ndim == 1:
-        ref = table.at[idx]
-        return ref.add(values, mode="drop") if add else ref.set(values, mode="drop")
+        ref = table.at[jnp.where(idx < x, idx, x + slot)]
+        kwargs = dict(mode="drop", unique_indices=True)
+        return ref.add(values, **kwargs) if add else ref.set(values, **kwargs)
     # One flat scatter (see _gather); rows past the end stay past the end.
-    x, b = table.shape
+    b = table.shape[1]
     column = jnp.arange(b, dtype=idx.dtype).reshape((1,) * (idx.ndim - 1) + (b,))
-    flat = jnp.where(idx < x, idx * b + column, x * b).reshape(-1)
+    flat = (jnp.where(idx < x, idx, x + slot) * b + column).reshape(-1)
     values = jnp.broadcast_to(values, idx.shape).reshape(-1)
     ref = table.reshape(-1).at[flat]
-    return (ref.add(values, mode="drop") if add else ref.set(values, mode="drop")).reshape(x, b)
+    kwargs = dict(mode="drop", unique_indices=True)
+    return (ref.add(values, **kwargs) if add else ref.set(values, **kwargs)).reshape(x, b)
 
 
 def _configs_last(x, base_rank, xp=jnp):
