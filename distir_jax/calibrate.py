@@ -20,11 +20,16 @@ of each max is its winner's) unless a temperature smooths it. Everything runs in
 A field the measured programs do not depend on (links, for programs that
 send nothing) keeps factor 1 and is reported in
 :attr:`Calibration.unconstrained`: its factor says nothing about the hardware.
+One they barely depend on (GPT-3-sized runs and link latency: doubling it
+moves their step times by ~0.2%), or cannot tell from another (one Send: link
+latency from bandwidth), is fitted but listed in
+:attr:`Calibration.weakly_determined`: measurement noise would move its factor far.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -44,11 +49,14 @@ from distir_jax.presets import register_calibrated_preset
 
 __all__ = [
     "CALIBRATABLE_FIELDS",
+    "FACTOR_BOUNDS",
     "Calibration",
     "calibrate",
     "calibration_probes",
     "load_calibration",
     "save_calibration",
+    "scaled_topology",
+    "step_times_on",
 ]
 
 # Topology fields that set op durations (memory capacity sets none).
@@ -56,6 +64,15 @@ CALIBRATABLE_FIELDS = ("peak_flops", "memory_bandwidth", "link_bandwidth", "link
 
 # |d log(step time) / d theta| below this for every program: the field is not constrained.
 _UNCONSTRAINED = 1e-9
+# The factors a fit may reach. A figure may all but vanish (a launch overhead
+# hidden by CUDA graphs), but one 1000x its datasheet's means the fit is running
+# along a direction the measurements barely feel (then also weakly determined).
+FACTOR_BOUNDS = (1e-6, 1e3)
+_LOG_BOUNDS = tuple(float(np.log(b)) for b in FACTOR_BOUNDS)
+# Measurement noise assumed when judging how well the fit determines a factor
+# (relative, on every step time), and the factor change that is too much for it.
+_NOISE = 0.01
+_TOO_FAR = float(np.log(2.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +84,11 @@ class Calibration:
       scales: per calibrated field, the factor it was multiplied by.
       unconstrained: calibrated fields no measured program depends on; their
         factor stayed at 1.
+      weakly_determined: calibrated fields whose factor a 1% error in the
+        measured step times could move by more than a factor of 2 (from the
+        fitted Jacobian): the programs barely depend on them, or cannot tell
+        them from another field. Take those factors with care, or fit them
+        from programs that lean on them (``calibration_probes``).
       measured: ``[B]`` the measured step times, seconds.
       initial: ``[B]`` simulated step times on the base topology.
       predicted: ``[B]`` simulated step times on the calibrated topology
@@ -81,6 +103,7 @@ class Calibration:
     initial: np.ndarray
     predicted: np.ndarray
     losses: np.ndarray
+    weakly_determined: tuple[str, ...] = ()
 
     @property
     def hardware(self) -> Hardware:
@@ -102,6 +125,7 @@ def calibrate(
     optimizer: optax.GradientTransformation | None = None,
     steps: int | None = None,
     temperature: float | None = None,
+    initial_scales: Mapping[str, float] | None = None,
 ) -> Calibration:
     """Scales ``topology``'s fields so that ``programs`` simulate in their ``measured`` step times.
 
@@ -120,6 +144,11 @@ def calibrate(
         once a step no longer lowers the loss; 500 optax steps).
       temperature: None for the exact timeline, or a smoothing scale in
         seconds (see :func:`~distir_jax.kernel.simulate`).
+      initial_scales: factors to start the fit from, by field (fitted fields
+        only; default 1 each), e.g. an earlier fit's ``scales``.
+
+    Every factor stays within :data:`FACTOR_BOUNDS` (1e-6 to 1e3: a figure may
+    all but vanish, as launch overheads under CUDA graphs, but not grow 1000x).
 
     Returns:
       A :class:`Calibration`.
@@ -128,13 +157,15 @@ def calibrate(
       ValueError: for no programs, a measurement count that does not match
         them, a step time that is not a positive finite number, an unknown or
         zero field, a program on more devices than ``topology`` has, a
-        program that takes no time, or ``steps < 1``.
+        program that takes no time, ``steps < 1``, or an initial factor of a
+        field not fitted or that is not positive and finite.
     """
     if not programs:
         raise ValueError("calibrate needs at least one program")
     for i, program in enumerate(programs):
         _check_program(program, f"calibrate: program {i}")
     fields = _checked_fields(topology, fields)
+    start = _checked_start(fields, initial_scales)
     steps = (100 if optimizer is None else 500) if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
@@ -156,12 +187,13 @@ def calibrate(
         target = jnp.log(jnp.asarray(measured))
 
         def residual(theta):  # [B] log(simulated / measured)
-            step_time = simulate(program, _scaled(base, fields, theta), temperature=temperature).step_time
-            return jnp.log(step_time) - target
+            return _residual(theta, program, base, target, fields, temperature)
 
-        # One compiled function of residuals and their Jacobian serves every step and
-        # the checks below (each compile of the kernel costs seconds on a CPU).
-        linearized = jax.jit(lambda t: (residual(t), jax.jacfwd(residual)(t)))
+        # One compiled function of residuals and their Jacobian serves every step, the
+        # checks below and later fits of programs of the same shapes (each compile of
+        # the kernel costs seconds on a CPU).
+        linearized = functools.partial(_linearized, program=program, base=base, target=target)
+        linearized = functools.partial(linearized, fields=fields, temperature=temperature)
 
         def step_times(theta) -> tuple[np.ndarray, np.ndarray]:
             """Exact step times at ``theta`` and ``[B, F]`` their log's derivatives."""
@@ -170,11 +202,11 @@ def calibrate(
                 return _exact_times(program, base, fields, theta), jac
             return measured * np.exp(r), jac
 
-        theta = np.zeros(len(fields))
-        initial, nominal_sensitivity = step_times(theta)
+        initial, nominal_sensitivity = step_times(np.zeros(len(fields)))
         idle = np.flatnonzero(~(initial > 0))
         if idle.size:  # its log has no gradient: nothing to fit it by
             raise ValueError(f"program {idle[0]} simulates in 0 s (no op takes time); leave it out")
+        theta = start
         if optimizer is None:
             theta, losses = _levenberg_marquardt(linearized, theta, steps)
         else:
@@ -185,19 +217,53 @@ def calibrate(
         predicted, sensitivity = step_times(theta)
         most = np.maximum(np.abs(sensitivity).max(axis=0), np.abs(nominal_sensitivity).max(axis=0))
         unconstrained = tuple(f for f, s in zip(fields, most, strict=True) if s < _UNCONSTRAINED)
+        weak = _weakly_determined(sensitivity, fields, unconstrained)
         if unconstrained:  # back to their nominal figures, which nothing here moves
             theta = np.where([f in unconstrained for f in fields], 0.0, theta)
             predicted, _ = step_times(theta)
     scales = {f: float(np.exp(t)) for f, t in zip(fields, theta, strict=True)}
     return Calibration(
-        topology=_scaled_topology(topology, scales),
+        topology=scaled_topology(topology, scales),
         scales=scales,
         unconstrained=unconstrained,
+        weakly_determined=weak,
         measured=measured,
         initial=initial,
         predicted=predicted,
         losses=losses,
     )
+
+
+def _residual(theta, program: Program, base: Hardware, target, fields: tuple, temperature):
+    """``[B]`` log(simulated / measured) step times at log factors ``theta``."""
+    step_time = simulate(program, _scaled(base, fields, theta), temperature=temperature).step_time
+    return jnp.log(step_time) - target
+
+
+@functools.partial(jax.jit, static_argnames=("fields", "temperature"))
+def _linearized(theta, *, program, base, target, fields, temperature):
+    """:func:`_residual` and its ``[B, F]`` Jacobian (forward mode: F <= 5 tangents)."""
+    args = (program, base, target, fields, temperature)
+    return _residual(theta, *args), jax.jacfwd(_residual)(theta, *args)
+
+
+def _weakly_determined(jac: np.ndarray, fields: tuple[str, ...], skip: tuple[str, ...]) -> tuple[str, ...]:
+    """Fields (other than ``skip``) whose factor a ``_NOISE`` error in the measured
+    step times could move by more than ``_TOO_FAR`` (a factor of 2), from the
+    fit's Jacobian ``[B, F]`` of log step times: ``NOISE * sqrt(diag((J^T J)^+))``,
+    infinite along directions the programs cannot tell apart (fewer programs
+    than fields, or fields that only ever act together)."""
+    keep = [i for i, f in enumerate(fields) if f not in skip]
+    if not keep:
+        return ()
+    jac = jac[:, keep]
+    _, sv, vt = np.linalg.svd(jac, full_matrices=True)
+    sv = np.concatenate([sv, np.zeros(len(keep) - len(sv))])  # missing ones: a null space
+    null = sv <= 1e-12 * max(sv.max(), 1e-300)
+    with np.errstate(divide="ignore"):
+        spread = np.sqrt(np.sum(np.where(null, 0.0, vt / np.where(null, 1.0, sv)[:, None]).T ** 2, axis=1))
+    spread = np.where(np.any(np.abs(vt[null]) > 1e-6, axis=0), np.inf, spread)
+    return tuple(fields[i] for i, s in zip(keep, spread, strict=True) if _NOISE * s > _TOO_FAR)
 
 
 def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -223,8 +289,11 @@ def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.
             system = np.vstack([jac, np.diag(np.sqrt(damping) * curvature)])
             delta = np.linalg.lstsq(system, np.concatenate([-r, np.zeros(len(theta))]), rcond=None)[0]
             # The Jacobian comes along (the next step needs it where this one is taken).
+            delta = np.clip(theta + delta, *_LOG_BOUNDS) - theta  # factors stay in FACTOR_BOUNDS
             trial, trial_jac = (np.asarray(x) for x in linearized(theta + delta))
-            if np.mean(trial**2) < loss:
+            # A step that overflows a factor (a direction the programs hardly feel can
+            # run far) gives non-finite times or slopes: a shorter step then.
+            if np.mean(trial**2) < loss and np.isfinite(trial_jac).all():
                 break
             damping *= 4.0
         else:
@@ -245,7 +314,7 @@ def _descend(residual, theta: np.ndarray, optimizer, steps: int) -> tuple[np.nda
         value, grad = jax.value_and_grad(loss)(t)
         # Line-search optimizers (optax.lbfgs) also read the value and the loss itself.
         updates, state = optimizer.update(grad, state, t, value=value, grad=grad, value_fn=loss)
-        return (optax.apply_updates(t, updates), state), value
+        return (jnp.clip(optax.apply_updates(t, updates), *_LOG_BOUNDS), state), value
 
     run = jax.jit(lambda t: jax.lax.scan(step, (t, optimizer.init(t)), length=steps))
     (theta, _), losses = run(jnp.asarray(theta))
@@ -308,6 +377,32 @@ def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
     return fields
 
 
+def _checked_start(fields: tuple[str, ...], initial_scales) -> np.ndarray:
+    """``[F]`` log factors to start from (``initial_scales`` by field, 1 where absent)."""
+    if initial_scales is None:
+        return np.zeros(len(fields))
+    if not isinstance(initial_scales, Mapping):
+        kind = type(initial_scales).__name__
+        raise ValueError(f"initial_scales must map field names to factors, got {kind}")
+    others = sorted(set(initial_scales) - set(fields))
+    if others:
+        raise ValueError(f"initial_scales: {others} are not among the fitted fields {list(fields)}")
+    start = []
+    for field in fields:
+        factor = initial_scales.get(field, 1.0)
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float, np.number))
+            or not (FACTOR_BOUNDS[0] <= factor <= FACTOR_BOUNDS[1])
+        ):
+            raise ValueError(
+                f"initial_scales[{field!r}] must be a number in [{FACTOR_BOUNDS[0]:g}, "
+                f"{FACTOR_BOUNDS[1]:g}] (FACTOR_BOUNDS), got {factor!r}"
+            )
+        start.append(np.log(float(factor)))
+    return np.asarray(start)
+
+
 def _checked_measured(measured, count: int) -> np.ndarray:
     measured = np.asarray(measured, np.float64)
     if measured.shape != (count,):
@@ -322,6 +417,17 @@ def _checked_measured(measured, count: int) -> np.ndarray:
             f"at index {bad[0]}"
         )
     return measured
+
+
+def step_times_on(programs: Sequence[Program], topology: Topology) -> np.ndarray:
+    """``[B]`` step times of lowered programs (each for at most ``topology``'s
+    devices; with size variants, one per variant) on ``topology``: exact
+    semantics, float64, as :attr:`Calibration.predicted` gives them."""
+    program = stack_programs(programs)
+    with jax.enable_x64(True):
+        hardware = _first_devices(topology, program.resident_bytes.shape[-1])
+        hardware = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), hardware)
+        return np.asarray(simulate(program, hardware).step_time, np.float64)
 
 
 def _first_devices(topology: Topology, count: int) -> Hardware:
@@ -346,7 +452,9 @@ def _exact_times(program: Program, base: Hardware, fields, theta) -> np.ndarray:
     return np.asarray(simulate(program, _scaled(base, fields, theta)).step_time, np.float64)
 
 
-def _scaled_topology(topology: Topology, scales: dict[str, float]) -> Topology:
+def scaled_topology(topology: Topology, scales: Mapping[str, float]) -> Topology:
+    """``topology`` with each field in ``scales`` multiplied by its factor (a new
+    object, named ``"<name> (calibrated)"``)."""
     changes = {f: np.asarray(getattr(topology, f)) * s for f, s in scales.items()}
     if "launch_overhead" in changes:
         changes["launch_overhead"] = float(changes["launch_overhead"])

@@ -42,6 +42,15 @@ def add_calibrate_parser(sub, field_names) -> None:
         help=f"the calibration file to write (default: {DEFAULT_DIRECTORY}/<name>.calibration.json)",
     )
     c.add_argument(
+        "--engine",
+        default="fast",
+        choices=("fast", "exact"),
+        help="fast: each strategy's coarse program (built in milliseconds, GPT-3 175B "
+        "included), refitted until it is exact on the calibrated figures; strategies it does "
+        "not model (sequence parallelism) run exact. exact: the fine programs the transforms "
+        "build (minutes for GPT-3-sized pipelines). Default: fast",
+    )
+    c.add_argument(
         "--fields",
         type=field_names,
         default=None,
@@ -63,10 +72,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     configs, measured = read_measurements(args.measurements)
     base = configs[0].hardware.partition(":")[0]
     print(f"calibrating {base} on {len(configs)} measured strategies ...", flush=True)
-    fit = calibrate_configs(configs, measured, fields=args.fields)
+    fit = calibrate_configs(configs, measured, engine=args.engine, fields=args.fields)
     print("factor by figure (calibrated = nominal x factor):")
     for field, factor in fit.scales.items():
-        note = "  (no measured strategy depends on it: left as it is)" if field in fit.unconstrained else ""
+        note = ""
+        if field in fit.unconstrained:
+            note = "  (no measured strategy depends on it: left as it is)"
+        elif field in fit.weakly_determined:
+            note = "  (weakly determined: a 1% error in the measurements could move it 2x)"
         print(f"  {field:18s} {factor:.4g}{note}")
     print("step time against the measured one:    nominal   calibrated")
     nominal, calibrated = fit.initial / fit.measured - 1, fit.relative_error

@@ -50,9 +50,10 @@ parallelism, an MLP of one layer) fall back to the exact engine; the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from distir_jax.ir import registered_op_types
+from distir_jax.ir import Topology, registered_op_types
+from distir_jax.lower import Program
 from distir_jax.models import MLPConfig, TransformerConfig
 from distir_jax.transforms.coarse import (
     PipelineTemplate,
@@ -111,7 +112,15 @@ class FastEngine:
     filled for its real cluster).
     """
 
-    def __init__(self, configs: Sequence[Config]):
+    def __init__(self, configs: Sequence[Config], *, scales: Mapping[str, float] | None = None):
+        """``scales``: measure blocks on each preset with these fields scaled
+        (:func:`~distir_jax.calibrate.scaled_topology`), not on the preset itself.
+        The measurement only decides which fine ops are compute-bound (see
+        :func:`~distir_jax.transforms.coarse.layer_features`), so programs
+        prepared that way are exact on the scaled hardware: calibration builds
+        them there."""
+        self._scales = dict(scales or {})
+        self._scaled: dict[int, tuple] = {}  # id(topology) -> (topology, scaled): lru caches key by identity
         sizes: dict[tuple, set] = {}
         for c in configs:
             # A replica's microbatch, and the pipeline transform's (which runs
@@ -182,9 +191,18 @@ class FastEngine:
           SplitBlockError: when no coarse program expresses it (see :meth:`prepare`).
           ValueError: when the configuration cannot be built (its reason).
         """
+        program, template, topology = self._long(config)
+        return compact(program, topology), template
+
+    def long_program(self, config: Config) -> Program:
+        """``config``'s long coarse program, lowered for its whole cluster (not
+        compacted; raises as :meth:`templated`)."""
+        return self._long(config)[0]
+
+    def _long(self, config: Config) -> tuple[Program, PipelineTemplate, Topology]:
         features, topology, program_args, _ = self._program_inputs(config, [config])
         program, template = templated_pipeline_program(features, topology, **program_args)
-        return compact(program, topology), template
+        return program, template, topology
 
     def _program_inputs(self, config: Config, group: Sequence[Config]) -> tuple:
         """``(features, topology, program arguments, sizes)`` of ``config``'s coarse
@@ -195,7 +213,7 @@ class FastEngine:
             sorted({c.microbatch_size for c in group} | {c.microbatch_size * c.data for c in group})
         )
         model, tensor, recompute, optimizer, hardware, dtype = key
-        topology = _measure_topology(hardware, dtype, tensor)
+        topology = self._measured_on(_measure_topology(hardware, dtype, tensor))
         features = layer_features(model, tensor, recompute, sizes, topology, optimizer=optimizer)
         # The exact engine builds this key with its own batch sizes as variants, and
         # the pipeline transform, which runs before data parallelism, cuts stages
@@ -233,6 +251,18 @@ class FastEngine:
             overlap_segments=True,
         )
         return features.take_variants(used), topology, program_args, tuple(sizes[i] for i in used)
+
+    def _measured_on(self, topology: Topology) -> Topology:
+        """The topology blocks are measured on: ``topology``, scaled (one object per
+        preset, so the feature caches keep serving it)."""
+        if not self._scales:
+            return topology
+        found = self._scaled.get(id(topology))
+        if found is None:
+            from distir_jax.calibrate import scaled_topology  # (optax: only when calibrating)
+
+            found = self._scaled[id(topology)] = (topology, scaled_topology(topology, self._scales))
+        return found[1]
 
 
 def _measure_key(config: Config) -> tuple:

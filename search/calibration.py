@@ -1,24 +1,46 @@
 """Calibrating a hardware preset from measured training steps of a few strategies.
 
 The measurements a team has are step times of strategies it ran. Each
-configuration's full training program is built with the transforms (as the
-exact engine does, one replica of each symmetric group) and lowered for its
-own cluster, and :func:`distir_jax.calibrate.calibrate` fits the preset's
-factors to all of them at once.
+configuration's training program is lowered for its own cluster, and
+:func:`distir_jax.calibrate.calibrate` fits the preset's factors to all of
+them at once. The programs come from one of the sweep's engines:
+
+* ``"fast"`` (default): the fast engine's coarse program (one op per pipeline
+  step, message and data-parallel reduction), built in milliseconds where the
+  transforms take minutes for a GPT-3-sized model, and thousands of ops
+  where the fine program has a million. A coarse op sums its fine ops' times,
+  each fine op costed as compute- or memory-bound on the hardware its block
+  was measured on; that is exact there and only there. So the fit is
+  repeated: blocks are measured again on the calibrated figures, and the
+  fit restarts from them until the programs no longer change (one or two
+  rounds more; none when no fine op changes side), at most ``_MAX_ROUNDS``
+  fits, keeping the one whose own programs miss the measurements least.
+  Its step times (``predicted``) are the fine programs' own on its figures.
+* ``"exact"``: the full training program built with the transforms (one
+  replica of each symmetric group), as the exact engine does.
+
+Configurations the fast engine does not model (see
+:func:`search._fast.fast_unsupported`) get their fine programs either way.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
-from distir_jax.calibrate import Calibration, calibrate
-from distir_jax.lower import lower
+from distir_jax.calibrate import Calibration, calibrate, step_times_on
+from distir_jax.lower import Program, lower
 from search.results import COLUMNS
 from search.space import Config
+
+_ENGINES = ("fast", "exact")
+# Fits on coarse programs at most (exact measurements settle in 1-3).
+_MAX_ROUNDS = 5
 
 # The measurements file's column of measured seconds per step; its other
 # columns are a results table's knob columns (a sweep's rows, measured).
@@ -29,7 +51,7 @@ _ROW_KNOBS = tuple(k for k in Config.KNOBS if k != "microbatch_size")
 __all__ = ["MEASURED_COLUMN", "calibrate_configs", "read_measurements"]
 
 
-def calibrate_configs(configs: Sequence[Config], measured, **options) -> Calibration:
+def calibrate_configs(configs: Sequence[Config], measured, *, engine: str = "fast", **options) -> Calibration:
     """Fits the configurations' hardware preset to their measured step times.
 
     Args:
@@ -37,6 +59,8 @@ def calibrate_configs(configs: Sequence[Config], measured, **options) -> Calibra
         rows of a space) on one hardware preset and dtype; world sizes may
         differ (a smaller cluster is the first devices of the largest).
       measured: ``[B]`` measured seconds per training step, one per configuration.
+      engine: ``"fast"`` (coarse programs, refitted until exact; see the
+        module's docstring) or ``"exact"`` (fine programs).
       **options: :func:`~distir_jax.calibrate.calibrate`'s (``fields``,
         ``optimizer``, ``steps``, ``temperature``).
 
@@ -44,17 +68,24 @@ def calibrate_configs(configs: Sequence[Config], measured, **options) -> Calibra
       The :class:`~distir_jax.calibrate.Calibration` of the largest
       configuration's cluster; ``scales`` go to
       :func:`~distir_jax.presets.register_calibrated_preset` with the preset's
-      name (``configs[0].hardware`` without a count).
+      name (``configs[0].hardware`` without a count). With the fast engine,
+      ``initial`` is the first round's (the nominal figures) and ``losses``
+      run over every round.
 
     Raises:
       TypeError: when ``configs`` is not a sequence of :class:`~search.space.Config`.
       ValueError: for no or an invalid configuration (with its reason), more
         than one preset or dtype, a cluster that is not the first devices of
-        the largest, or what ``calibrate`` rejects.
+        the largest, an unknown engine, or what ``calibrate`` rejects.
     """
-    from search._transform import build_function
     from search.single import require_configs
 
+    if engine not in _ENGINES:
+        raise ValueError(f"engine must be one of {list(_ENGINES)}, got {engine!r}")
+    if "initial_scales" in options:
+        raise ValueError(
+            "calibrate_configs starts from the preset's own figures; initial_scales is not an option"
+        )
     configs = require_configs("configs", configs)
     if not configs:
         raise ValueError("calibrate_configs needs at least one configuration")
@@ -74,10 +105,50 @@ def calibrate_configs(configs: Sequence[Config], measured, **options) -> Calibra
                 f"configuration {i}'s cluster ({config.preset}) is not the first devices of "
                 f"{largest.name}; calibrate one cluster at a time"
             )
-    programs = [
-        lower(build_function(c, c.global_batch_size, representative_only=True), c.topology()) for c in configs
-    ]
-    return calibrate(programs, measured, largest, **options)
+    if engine == "exact":
+        return calibrate([_fine_program(c) for c in configs], measured, largest, **options)
+    return _calibrate_coarse(configs, measured, largest, options)
+
+
+def _fine_program(config: Config) -> Program:
+    from search._transform import build_function
+
+    fn = build_function(config, config.global_batch_size, representative_only=True)
+    return lower(fn, config.topology())
+
+
+def _calibrate_coarse(configs: list[Config], measured, largest, options: dict) -> Calibration:
+    """:func:`calibrate_configs` on coarse programs, refitted until they no longer change.
+
+    Each round measures blocks on the last fit's figures and fits from there.
+    Where measurements the model cannot meet exactly keep a fine op moving
+    between compute- and memory-bound from round to round, the rounds stop
+    after ``_MAX_ROUNDS``, at the fit whose own programs (exact on its
+    figures) miss the measurements least.
+    """
+    from search._fast import FastEngine, fast_unsupported
+
+    fine = {i: _fine_program(c) for i, c in enumerate(configs) if fast_unsupported(c)}
+    fits, best, fitted, scales = [], None, None, {}
+    for _ in range(_MAX_ROUNDS + 1):
+        engine = FastEngine(configs, scales=scales)
+        programs = [fine[i] if i in fine else engine.long_program(c) for i, c in enumerate(configs)]
+        if fits:  # the last fit, judged on programs exact on its figures
+            predicted = step_times_on(programs, fits[-1].topology)
+            loss = float(np.mean(np.log(predicted / fits[-1].measured) ** 2))
+            if best is None or loss < best[0]:
+                best = (loss, dataclasses.replace(fits[-1], predicted=predicted))
+            if _same_programs(programs, fitted) or len(fits) == _MAX_ROUNDS:
+                break
+        fits.append(calibrate(programs, measured, largest, initial_scales=scales or None, **options))
+        fitted, scales = programs, fits[-1].scales
+    losses = np.concatenate([fit.losses for fit in fits])
+    return dataclasses.replace(best[1], initial=fits[0].initial, losses=losses)
+
+
+def _same_programs(a: list[Program], b: list[Program]) -> bool:
+    leaves = (jax.tree_util.tree_leaves(p) for p in (a, b))
+    return all(np.array_equal(x, y) for x, y in zip(*leaves, strict=True))
 
 
 def _leads(small, large) -> bool:

@@ -226,7 +226,8 @@ def test_single_server_calibrated_preset_has_one_node(registry):
         dj.get_preset("v100-measured", num_nodes=2)
 
 
-def test_calibrate_configs_from_measured_training_steps(registry):
+@pytest.mark.parametrize("engine", ["fast", "exact"])
+def test_calibrate_configs_from_measured_training_steps(registry, engine):
     from distir_jax.models import TransformerConfig
     from search import calibrate_configs, make_config, simulate_config
 
@@ -242,10 +243,127 @@ def test_calibrate_configs_from_measured_training_steps(registry):
     dj.register_calibrated_preset("a100-truth", "dgx-a100-80gb", TRUTH)
     # "Measured": the exact engine's step times of the same strategies on the true hardware.
     measured = [simulate_config(make_config(hardware="a100-truth", **k)).row["step_time_s"] for k in knobs]
-    fit = calibrate_configs([make_config(**k) for k in knobs], measured)
+    fit = calibrate_configs([make_config(**k) for k in knobs], measured, engine=engine)
     assert fit.scales == pytest.approx(TRUTH, rel=1e-6)
     np.testing.assert_allclose(fit.predicted, measured, rtol=1e-9)
     assert fit.topology.num_devices == 8  # the largest configuration's cluster
+
+
+def test_coarse_calibration_predicts_the_fine_programs_step_times(registry):
+    """Measurements no figures meet exactly (the truth's times, off by up to 5%):
+    whatever round the coarse fit stops at, its predicted step times are the fine
+    programs' own on its figures."""
+    from distir_jax.calibrate import step_times_on
+    from distir_jax.models import TransformerConfig
+    from search import calibrate_configs, make_config, simulate_config
+    from search.calibration import _fine_program
+
+    tiny = TransformerConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=512, seq_len=64)
+    knobs = [
+        dict(batch_size=8, data=2, optimizer="adam"),
+        dict(batch_size=8, tensor=2),
+        dict(batch_size=8, pipeline=2, microbatches=4),
+        dict(batch_size=16, data=2, tensor=2, pipeline=2, microbatches=2, overlap_grad_comm=True),
+        dict(batch_size=1),
+        dict(batch_size=32, tensor=4, recompute="full"),
+    ]
+    dj.register_calibrated_preset("a100-noisy-truth", "dgx-a100-80gb", TRUTH)
+    exact = [
+        simulate_config(make_config(tiny, hardware="a100-noisy-truth", **k)).row["step_time_s"] for k in knobs
+    ]
+    measured = np.asarray(exact) * (1 + np.array([0.05, -0.03, 0.02, -0.05, 0.04, -0.01]))
+    configs = [make_config(tiny, **k) for k in knobs]
+    fit = calibrate_configs(configs, measured)
+    fine = step_times_on([_fine_program(c) for c in configs], fit.topology)
+    np.testing.assert_allclose(fit.predicted, fine, rtol=1e-9)
+    assert np.max(np.abs(fit.relative_error)) < 0.06
+
+
+def test_coarse_calibration_of_gpt3_runs_refits_until_exact(registry):
+    """Six GPT-3 175B runs on 64 GPUs, fitted on their coarse programs (thousands of
+    ops, built in milliseconds; the fine ones have ~1e6 ops and take minutes).
+    Programs whose fine ops are split into compute- and memory-bound by the
+    nominal figures stop short of the truth; measuring the blocks again on the
+    fitted figures and refitting lands on it."""
+    from search import calibrate_configs, evaluate, make_config
+    from search._fast import FastEngine
+
+    truth = dict(peak_flops=0.55, memory_bandwidth=0.8, link_bandwidth=0.4)
+    dj.register_calibrated_preset("a100-gpt3-truth", "dgx-a100-80gb", truth)
+    common = dict(world_size=64, batch_size=1024, dtype="bf16", optimizer="adam")
+    knobs = [
+        dict(tensor=8, pipeline=8, microbatches=128, recompute="full"),
+        dict(
+            data=2, tensor=8, pipeline=4, microbatches=64, recompute="full", zero=True, overlap_grad_comm=True
+        ),
+        dict(
+            tensor=8,
+            pipeline=8,
+            microbatches=64,
+            schedule="interleaved",
+            virtual_stages=3,
+            recompute="attention",
+        ),
+        dict(data=4, tensor=4, pipeline=4, microbatches=32, recompute="full"),
+        dict(tensor=16, pipeline=4, microbatches=16),
+        dict(tensor=32, pipeline=2, microbatches=8, recompute="attention"),
+    ]
+    # "Measured": a sweep's rows on the true hardware (the sweep's fast engine equals
+    # the exact engine to ~1e-9, tests/test_search_fast.py).
+    truth_rows = evaluate(
+        [make_config("gpt3-175b", hardware="a100-gpt3-truth", **common, **k) for k in knobs], progress=False
+    )
+    measured = np.asarray(truth_rows["step_time_s"], np.float64)
+    configs = [make_config("gpt3-175b", **common, **k) for k in knobs]
+    fit = calibrate_configs(configs, measured, fields=tuple(truth))
+    assert fit.scales == pytest.approx(truth, rel=1e-8)
+    np.testing.assert_allclose(fit.predicted, measured, rtol=1e-9)
+    assert np.all(fit.initial / measured - 1 < -0.4)  # the nominal figures were far off
+    # One fit of the programs measured on the nominal figures is 0.1-0.7% off.
+    engine = FastEngine(configs)
+    first = dj.calibrate(
+        [engine.long_program(c) for c in configs], measured, configs[0].topology(), fields=tuple(truth)
+    )
+    assert max(abs(first.scales[f] / truth[f] - 1) for f in truth) > 1e-3
+
+
+def test_fields_the_step_times_barely_depend_on_are_flagged(base, measured_on_truth):
+    programs, measured = measured_on_truth
+    assert dj.calibrate(programs, measured, base).weakly_determined == ()
+    # Only a 256 MB Send depends on the links: its time alone cannot tell latency
+    # from bandwidth (and latency is ~0.3% of it).
+    b = dj.FunctionBuilder("huge_send")
+    huge = b.build(b.add("Send", b.input("x", (8192, 8192)), to=1))
+    kinds = ("matmul", "elementwise", "launches")
+    functions = [huge] + [_function(kind) for kind in kinds]
+    truth = _scaled(base, TRUTH)
+    fit = dj.calibrate(
+        [dj.lower(fn, base) for fn in functions],
+        [dj.reference_simulate(fn, truth).step_time for fn in functions],
+        base,
+    )
+    assert fit.weakly_determined == ("link_bandwidth", "link_latency")
+    assert fit.unconstrained == ()
+    np.testing.assert_allclose(fit.relative_error, 0.0, atol=1e-9)  # a fit, just not a unique one
+
+
+def test_calibration_restarts_from_initial_scales(base, measured_on_truth):
+    programs, measured = measured_on_truth
+    fit = dj.calibrate(programs, measured, base)
+    again = dj.calibrate(programs, measured, base, initial_scales=fit.scales)
+    assert again.scales == pytest.approx(TRUTH, rel=1e-9)
+    assert len(again.losses) <= 2  # it starts at the minimum
+    np.testing.assert_allclose(again.initial, fit.initial)  # still the nominal figures' times
+    cases = [
+        ({"memory_capacity": 2.0}, r"\['memory_capacity'\] are not among the fitted fields"),
+        ({"peak_flops": 0.0}, r"initial_scales\['peak_flops'\] must be a number in \[1e-06, 1000\]"),
+        ({"peak_flops": 2e3}, "must be a number in"),
+        ({"peak_flops": float("nan")}, "must be a number in"),
+        ([("peak_flops", 0.5)], "must map field names to factors, got list"),
+    ]
+    for start, message in cases:
+        with pytest.raises(ValueError, match=message):
+            dj.calibrate(programs, measured, base, initial_scales=start)
 
 
 def test_calibrate_configs_errors(registry):
@@ -265,6 +383,10 @@ def test_calibrate_configs_errors(registry):
     for configs, message in cases:
         with pytest.raises(ValueError, match=message):
             calibrate_configs(configs, [1e-3] * len(configs))
+    with pytest.raises(ValueError, match=r"engine must be one of \['fast', 'exact'\], got 'fine'"):
+        calibrate_configs([ok], [1e-3], engine="fine")
+    with pytest.raises(ValueError, match="initial_scales is not an option"):
+        calibrate_configs([ok], [1e-3], initial_scales={"peak_flops": 2.0})
 
 
 def test_calibration_file_round_trip(tmp_path, registry, monkeypatch):

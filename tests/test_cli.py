@@ -745,7 +745,9 @@ def test_calibrate_then_sweep_and_simulate_on_the_calibrated_preset(tmp_path, ca
     assert main(argv) == 0
     out = capsys.readouterr().out
     for field, factor in truth.items():
-        assert re.search(rf"^  {field} +{factor:.4g}$", out, re.M), out
+        assert re.search(rf"^  {field} +{factor:.4g}(  \(weakly determined: .*\))?$", out, re.M), out
+    # Eight MLP steps barely depend on latency and launches (exact "measurements" still pin them).
+    assert re.search(r"^  link_latency +2  \(weakly determined: a 1% error", out, re.M), out
     assert f"distir-jax sweep --presets {calibration} --hardware a100-lab" in out
     assert json.loads(calibration.read_text())["scales"] == pytest.approx(truth, rel=1e-6)
 

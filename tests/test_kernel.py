@@ -240,7 +240,6 @@ def test_smooth_semantics_converge_and_have_gradients():
         assert np.isfinite(grad) and grad < 0  # faster links, shorter steps
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def _scatters(jaxpr) -> list:
     """Every scatter equation of a jaxpr, sub-jaxprs (the scan's body) included."""
     found = []
@@ -285,6 +284,7 @@ def test_derivatives_scatter_by_unique_index_and_match_differences(per_config_st
         assert np.all(jac < 0)  # faster devices and links, shorter steps
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     fns=st.lists(
         random_functions(max_ops=SMALL.num_ops, max_devices=MAX_DEVICES, num_streams=2),
