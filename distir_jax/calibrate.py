@@ -311,7 +311,9 @@ def _descend(residual, theta: np.ndarray, optimizer, steps: int) -> tuple[np.nda
 
     def step(carry, _):
         t, state = carry
-        value, grad = jax.value_and_grad(loss)(t)
+        # Forward mode: at most 5 tangents, where reverse mode through the scan keeps
+        # every step's residuals and scatters each gather's cotangent into a whole table.
+        grad, value = jax.jacfwd(lambda u: (loss(u),) * 2, has_aux=True)(t)
         # Line-search optimizers (optax.lbfgs) also read the value and the loss itself.
         updates, state = optimizer.update(grad, state, t, value=value, grad=grad, value_fn=loss)
         return (jnp.clip(optax.apply_updates(t, updates), *_LOG_BOUNDS), state), value
