@@ -158,7 +158,7 @@ def calibrate(
         them, a step time that is not a positive finite number, an unknown or
         zero field, a program on more devices than ``topology`` has, a
         program that takes no time, ``steps < 1``, or an initial factor of a
-        field not fitted or that is not positive and finite.
+        field not fitted or outside :data:`FACTOR_BOUNDS`.
     """
     if not programs:
         raise ValueError("calibrate needs at least one program")
@@ -288,8 +288,8 @@ def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.
             # (J^T J + damping D^2) delta = -J^T r, as least squares (stable when J^T J is singular).
             system = np.vstack([jac, np.diag(np.sqrt(damping) * curvature)])
             delta = np.linalg.lstsq(system, np.concatenate([-r, np.zeros(len(theta))]), rcond=None)[0]
-            # The Jacobian comes along (the next step needs it where this one is taken).
             delta = np.clip(theta + delta, *_LOG_BOUNDS) - theta  # factors stay in FACTOR_BOUNDS
+            # The Jacobian comes along (the next step needs it where this one is taken).
             trial, trial_jac = (np.asarray(x) for x in linearized(theta + delta))
             # A step that overflows a factor (a direction the programs hardly feel can
             # run far) gives non-finite times or slopes: a shorter step then.
