@@ -83,12 +83,14 @@ class Calibration:
       topology: the calibrated topology (the base one with each field scaled).
       scales: per calibrated field, the factor it was multiplied by.
       unconstrained: calibrated fields no measured program depends on; their
-        factor stayed at 1.
+        factor stayed where it started (1, unless ``initial_scales``).
       weakly_determined: calibrated fields whose factor a 1% error in the
         measured step times could move by more than a factor of 2 (from the
         fitted Jacobian): the programs barely depend on them, or cannot tell
         them from another field. Take those factors with care, or fit them
-        from programs that lean on them (``calibration_probes``).
+        from programs that lean on them (``calibration_probes``). The test is
+        local: other figures far from these may fit as well (step times are
+        piecewise linear in the figures' reciprocals).
       measured: ``[B]`` the measured step times, seconds.
       initial: ``[B]`` simulated step times on the base topology.
       predicted: ``[B]`` simulated step times on the calibrated topology
@@ -160,8 +162,14 @@ def calibrate(
         program that takes no time, ``steps < 1``, or an initial factor of a
         field not fitted or outside :data:`FACTOR_BOUNDS`.
     """
+    if isinstance(programs, Program) or not isinstance(programs, Sequence):
+        raise TypeError(f"programs must be a sequence of lowered Programs, got {type(programs).__name__}")
     if not programs:
         raise ValueError("calibrate needs at least one program")
+    if temperature is not None and (
+        isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number))
+    ):
+        raise ValueError(f"temperature must be None or a number > 0, got {temperature!r}")
     for i, program in enumerate(programs):
         _check_program(program, f"calibrate: program {i}")
     fields = _checked_fields(topology, fields)
@@ -211,6 +219,11 @@ def calibrate(
             theta, losses = _levenberg_marquardt(linearized, theta, steps)
         else:
             theta, losses = _descend(residual, theta, optax.with_extra_args_support(optimizer), steps)
+            if not np.isfinite(theta).all():
+                raise ValueError(
+                    f"the optimizer produced non-finite factors {dict(zip(fields, np.exp(theta).tolist()))}; "
+                    "lower its learning rate, or use the default (optimizer=None)"
+                )
         # Fields the programs depend on neither at the nominal figures nor at the
         # fitted ones. (A factor the fit drove to ~0 has no effect at the fitted
         # point, but the measurements said so: it stays.)
@@ -218,8 +231,8 @@ def calibrate(
         most = np.maximum(np.abs(sensitivity).max(axis=0), np.abs(nominal_sensitivity).max(axis=0))
         unconstrained = tuple(f for f, s in zip(fields, most, strict=True) if s < _UNCONSTRAINED)
         weak = _weakly_determined(sensitivity, fields, unconstrained)
-        if unconstrained:  # back to their nominal figures, which nothing here moves
-            theta = np.where([f in unconstrained for f in fields], 0.0, theta)
+        if unconstrained:  # back where they started (nominal by default): nothing here moves them
+            theta = np.where([f in unconstrained for f in fields], start, theta)
             predicted, _ = step_times(theta)
     scales = {f: float(np.exp(t)) for f, t in zip(fields, theta, strict=True)}
     return Calibration(
@@ -364,6 +377,8 @@ def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
     nonzero = tuple(f for f in CALIBRATABLE_FIELDS if np.any(np.asarray(getattr(topology, f)) != 0))
     if fields is None:
         return nonzero
+    if not isinstance(fields, (str, Sequence)):
+        raise ValueError(f"fields must be a field name or a sequence of them, got {fields!r}")
     fields = (fields,) if isinstance(fields, str) else tuple(fields)
     unknown = [f for f in fields if f not in CALIBRATABLE_FIELDS]
     if unknown:
@@ -392,6 +407,7 @@ def _checked_start(fields: tuple[str, ...], initial_scales) -> np.ndarray:
     start = []
     for field in fields:
         factor = initial_scales.get(field, 1.0)
+        factor = factor.item() if isinstance(factor, np.ndarray) and factor.ndim == 0 else factor
         if (
             isinstance(factor, bool)
             or not isinstance(factor, (int, float, np.number))
@@ -406,7 +422,11 @@ def _checked_start(fields: tuple[str, ...], initial_scales) -> np.ndarray:
 
 
 def _checked_measured(measured, count: int) -> np.ndarray:
-    measured = np.asarray(measured, np.float64)
+    raw = np.asarray(measured) if not isinstance(measured, Mapping) else None
+    if raw is None or raw.dtype.kind not in "iuf":
+        kind = type(measured).__name__ if raw is None else f"{raw.dtype} values"
+        raise ValueError(f"measured must be numbers of seconds (a sequence or array), got {kind}")
+    measured = raw.astype(np.float64)
     if measured.shape != (count,):
         raise ValueError(
             f"measured must hold one step time per program (a program with size variants: one per "
@@ -426,8 +446,14 @@ def step_times_on(programs: Sequence[Program], topology: Topology) -> np.ndarray
     devices; with size variants, one per variant) on ``topology``: exact
     semantics, float64, as :attr:`Calibration.predicted` gives them."""
     program = stack_programs(programs)
+    devices = program.resident_bytes.shape[-1]
+    if devices > topology.num_devices:
+        raise ValueError(
+            f"the programs are lowered for up to {devices} devices but topology {topology.name!r} has "
+            f"{topology.num_devices}"
+        )
     with jax.enable_x64(True):
-        hardware = _first_devices(topology, program.resident_bytes.shape[-1])
+        hardware = _first_devices(topology, devices)
         hardware = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), hardware)
         return np.asarray(simulate(program, hardware).step_time, np.float64)
 
@@ -456,7 +482,20 @@ def _exact_times(program: Program, base: Hardware, fields, theta) -> np.ndarray:
 
 def scaled_topology(topology: Topology, scales: Mapping[str, float]) -> Topology:
     """``topology`` with each field in ``scales`` multiplied by its factor (a new
-    object, named ``"<name> (calibrated)"``)."""
+    object, named ``"<name> (calibrated)"``).
+
+    Raises:
+      ValueError: for a field not in :data:`CALIBRATABLE_FIELDS` or a factor
+        that is not a positive finite number.
+    """
+    unknown = sorted(set(scales) - set(CALIBRATABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"scales: unknown field(s) {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
+    for field, factor in scales.items():
+        if isinstance(factor, bool) or not (
+            isinstance(factor, (int, float, np.number)) and 0 < factor < np.inf
+        ):
+            raise ValueError(f"scales[{field!r}] must be a positive finite number, got {factor!r}")
     changes = {f: np.asarray(getattr(topology, f)) * s for f, s in scales.items()}
     if "launch_overhead" in changes:
         changes["launch_overhead"] = float(changes["launch_overhead"])

@@ -20,6 +20,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="distir-jax", description="Simulate distributed training strategies with DistIR-JAX."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{sweep,simulate,merge}", parser_class=_Parser)
+    commands = "{sweep,simulate,merge,calibrate}"
+    sub = parser.add_subparsers(dest="command", metavar=commands, parser_class=_Parser)
     sub.required = True
 
     s = sub.add_parser(
@@ -459,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from distir_jax.calibrate import CALIBRATABLE_FIELDS
 
-    add_calibrate_parser(sub, _some_of(CALIBRATABLE_FIELDS))
+    add_calibrate_parser(sub, _some_of(CALIBRATABLE_FIELDS), _add_presets_option)
     return parser
 
 
@@ -935,7 +937,7 @@ def simulate_command(row: dict, trace: str = "best.json", preset_files: dict | N
             words += [option] if row[column] else []
         elif row[column] != defaults[name]:
             words += [option, str(row[column])]
-    return " ".join(words + ["--trace", trace])
+    return " ".join(shlex.quote(word) for word in words + ["--trace", trace])  # pastes back as it is
 
 
 # `distir-jax simulate`'s options that are a configuration's knobs, and their

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 
 import numpy as np
 
 DEFAULT_DIRECTORY = "results"
+# A preset name the printed commands can repeat unquoted.
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-def add_calibrate_parser(sub, field_names) -> None:
-    """The ``calibrate`` subcommand's options (``field_names``: parses ``--fields``)."""
+def add_calibrate_parser(sub, field_names, add_presets_option) -> None:
+    """The ``calibrate`` subcommand's options (``field_names``: parses ``--fields``;
+    ``add_presets_option``: adds the commands' shared ``--presets``)."""
     from distir_jax.calibrate import CALIBRATABLE_FIELDS
     from search.calibration import MEASURED_COLUMN
 
@@ -34,6 +39,7 @@ def add_calibrate_parser(sub, field_names) -> None:
         "sweep's results file cut to the strategies you ran, with that column added.",
     )
     c.add_argument("measurements", help="the measurements CSV file")
+    add_presets_option(c)  # the measured rows may name a calibrated preset
     c.add_argument("--name", required=True, help="the calibrated preset's name (no ':')")
     c.add_argument(
         "--output",
@@ -66,8 +72,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from search.calibration import calibrate_configs, read_measurements
 
     name = args.name
-    if not name or ":" in name:
-        raise ValueError(f"--name must be a non-empty name without ':', got {name!r}")
+    if not _NAME.fullmatch(name):
+        raise ValueError(
+            f"--name must be letters, digits, '.', '_' or '-' (a name commands can repeat), got {name!r}"
+        )
+    if args.output == "":
+        raise ValueError("--output must be a file path, got an empty one")
     output = args.output or os.path.join(DEFAULT_DIRECTORY, f"{name}.calibration.json")
     configs, measured = read_measurements(args.measurements)
     base = configs[0].hardware.partition(":")[0]
@@ -96,5 +106,5 @@ def run_calibrate(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(output), exist_ok=True)
     save_calibration(output, name, base, fit.scales)
     print(f"wrote {output}")
-    print(f"use it: distir-jax sweep --presets {output} --hardware {name}")
+    print(f"use it: distir-jax sweep --presets {shlex.quote(output)} --hardware {name}")
     return 0

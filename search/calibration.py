@@ -62,7 +62,8 @@ def calibrate_configs(configs: Sequence[Config], measured, *, engine: str = "fas
       engine: ``"fast"`` (coarse programs, refitted until exact; see the
         module's docstring) or ``"exact"`` (fine programs).
       **options: :func:`~distir_jax.calibrate.calibrate`'s (``fields``,
-        ``optimizer``, ``steps``, ``temperature``).
+        ``optimizer``, ``steps``, ``temperature``); ``steps`` bounds each
+        fit (the fast engine fits up to ``_MAX_ROUNDS`` times).
 
     Returns:
       The :class:`~distir_jax.calibrate.Calibration` of the largest
@@ -142,8 +143,19 @@ def _calibrate_coarse(configs: list[Config], measured, largest, options: dict) -
                 break
         fits.append(calibrate(programs, measured, largest, initial_scales=scales or None, **options))
         fitted, scales = programs, fits[-1].scales
-    losses = np.concatenate([fit.losses for fit in fits])
-    return dataclasses.replace(best[1], initial=fits[0].initial, losses=losses)
+    fit, losses = best[1], np.concatenate([fit.losses for fit in fits])
+    # A later round's programs may not depend on a field the nominal figures' did
+    # (every fine op of it memory-bound on the fitted figures): its factor stayed
+    # where that round started, and the fit hardly pins it.
+    unconstrained = tuple(f for f in fit.unconstrained if f in fits[0].unconstrained)
+    weak = set(fit.weakly_determined) | (set(fit.unconstrained) - set(unconstrained))
+    return dataclasses.replace(
+        fit,
+        initial=fits[0].initial,
+        losses=losses,
+        unconstrained=unconstrained,
+        weakly_determined=tuple(f for f in fit.scales if f in weak),
+    )
 
 
 def _same_programs(a: list[Program], b: list[Program]) -> bool:
@@ -184,11 +196,15 @@ def read_measurements(path: str | os.PathLike) -> tuple[list[Config], np.ndarray
 
     where = os.fspath(path)
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # (-sig: spreadsheets' byte order mark)
             rows = list(csv.DictReader(f))
             header = rows[0].keys() if rows else []
     except OSError as err:
         raise ValueError(f"measurements file {where!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"measurements file {where!r} is not UTF-8 text: {err.reason} at byte {err.start}"
+        ) from None
     missing = [c for c in (*_ROW_KNOBS, MEASURED_COLUMN) if c not in header]
     if not rows or missing:
         raise ValueError(f"{where}: expected a header with columns {missing or list(_ROW_KNOBS)} and rows")
@@ -220,6 +236,20 @@ def read_measurements(path: str | os.PathLike) -> tuple[list[Config], np.ndarray
             raise ValueError(f"{where}, line {number}: {err}") from None
         if not config.valid:
             raise ValueError(f"{where}, line {number}: invalid configuration: {config.reason}")
+        try:
+            devices = config.topology().num_devices
+        except ValueError as err:
+            raise ValueError(f"{where}, line {number}: {err}") from None
+        if devices < config.world_size:
+            raise ValueError(
+                f"{where}, line {number}: world_size={config.world_size} needs {config.world_size} devices; "
+                f"hardware {knobs['hardware']!r} has {devices}"
+            )
+        seconds = knobs[MEASURED_COLUMN]
+        if not (np.isfinite(seconds) and seconds > 0):
+            raise ValueError(
+                f"{where}, line {number}: {MEASURED_COLUMN}={seconds!r} is not a positive number"
+            )
         configs.append(config)
         measured.append(knobs[MEASURED_COLUMN])
     return configs, np.asarray(measured, np.float64)

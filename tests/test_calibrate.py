@@ -504,3 +504,80 @@ def test_the_probes_lean_each_on_its_own_field(base):
             for f in TRUTH
         }
         assert max(moved, key=moved.get) == field and moved[field] > 0.3, (kind, moved)
+
+
+def test_measurements_file_errors_name_the_line(tmp_path):
+    from search.calibration import MEASURED_COLUMN, read_measurements
+
+    header = "model,hardware,world_size,global_batch_size,seq_len,data,tensor,pipeline,microbatches,"
+    header += "schedule,virtual_stages,recompute,zero,sequence_parallel,overlap_grad_comm,dtype,optimizer,"
+    header += MEASURED_COLUMN
+    row = "mlp-xs,dgx-a100-80gb,2,64,0,2,1,1,1,1f1b,1,none,False,False,False,f32,sgd,"
+    path = tmp_path / "m.csv"
+    # A spreadsheet's byte order mark before the header is no column name.
+    path.write_text("\ufeff" + header + "\n" + row + "0.01\n", encoding="utf-8")
+    configs, measured = read_measurements(path)
+    assert len(configs) == 1 and measured.tolist() == [0.01]
+    for seconds in ("0", "-0.1", "nan", "inf"):
+        path.write_text(header + "\n" + row + "0.01\n" + row + seconds + "\n")
+        with pytest.raises(
+            ValueError, match=rf"m.csv, line 3: {MEASURED_COLUMN}=.* is not a positive number"
+        ):
+            read_measurements(path)
+    path.write_text(header + "\n" + row.replace("dgx-a100-80gb,2", "dgx-a100-80gb:1,2") + "0.01\n")
+    with pytest.raises(
+        ValueError, match="m.csv, line 2: world_size=2 needs 2 devices; hardware .dgx-a100-80gb:1. has 1"
+    ):
+        read_measurements(path)
+    path.write_bytes(b"\xff\xfe" + header.encode("utf-16-le"))
+    with pytest.raises(ValueError, match="m.csv' is not UTF-8 text"):
+        read_measurements(path)
+
+
+def test_calibrate_input_errors_name_the_argument(base, measured_on_truth):
+    from distir_jax.calibrate import scaled_topology, step_times_on
+
+    programs, measured = measured_on_truth
+    cases = [
+        (lambda: dj.calibrate(programs[0], measured[:1], base), TypeError, "programs must be a sequence"),
+        (lambda: dj.calibrate(programs, ["a"] * len(programs), base), ValueError, "measured must be numbers"),
+        (
+            lambda: dj.calibrate(programs, [True] * len(programs), base),
+            ValueError,
+            "measured must be numbers",
+        ),
+        (lambda: dj.calibrate(programs, {"a": 1.0}, base), ValueError, "measured must be numbers"),
+        (lambda: dj.calibrate(programs, measured, base, fields=3), ValueError, "fields must be a field name"),
+        (lambda: dj.calibrate(programs, measured, base, temperature="x"), ValueError, "temperature must be"),
+        (lambda: scaled_topology(base, {"foo": 2.0}), ValueError, r"unknown field\(s\) \['foo'\]"),
+        (lambda: scaled_topology(base, {"peak_flops": -1.0}), ValueError, "positive finite"),
+        (lambda: step_times_on(programs, dj.get_preset("dgx-a100-80gb:1")), ValueError, "up to 8 devices"),
+        (
+            lambda: dj.calibrate(programs, measured, base, optimizer=optax.adam(float("nan")), steps=3),
+            ValueError,
+            "the optimizer produced non-finite factors",
+        ),
+    ]
+    for call, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            call()
+    # A 0-d array is a number.
+    fit = dj.calibrate(programs, measured, base, initial_scales={"peak_flops": np.array(0.55)})
+    assert fit.scales["peak_flops"] == pytest.approx(0.55, rel=1e-9)
+
+
+def test_coarse_rounds_do_not_call_a_field_the_nominal_figures_depend_on_unconstrained(registry):
+    """One data-parallel step of a small model: at the fitted figures every fine op
+    is memory-bound, so the last round's coarse programs do not depend on peak
+    FLOP/s; the nominal figures' programs did. Not unconstrained: weakly determined."""
+    from distir_jax.models import TransformerConfig
+    from search import calibrate_configs, make_config, simulate_config
+
+    tiny = TransformerConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=512, seq_len=64)
+    dj.register_calibrated_preset("a100-one-truth", "dgx-a100-80gb", TRUTH)
+    knobs = dict(batch_size=8, data=8)
+    measured = [simulate_config(make_config(tiny, hardware="a100-one-truth", **knobs)).row["step_time_s"]]
+    fit = calibrate_configs([make_config(tiny, **knobs)], measured)
+    assert "peak_flops" not in fit.unconstrained
+    assert "peak_flops" in fit.weakly_determined  # one measurement, five figures: all of them, in fact
+    np.testing.assert_allclose(fit.predicted, measured, rtol=1e-9)

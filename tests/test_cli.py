@@ -790,6 +790,16 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert "calibration file" in _one_line_error(capsys, 2, ["sweep", "--presets", str(bad)])
+    # A name the printed commands could not repeat unquoted, and an empty output path.
+    assert "--name must be letters" in _one_line_error(capsys, 2, ["calibrate", missing, "--name", "a b"])
+    assert "--output must be a file path" in _one_line_error(
+        capsys, 2, ["calibrate", missing, "--name", "x", "--output", ""]
+    )
+    # calibrate loads --presets too (measured rows may name a calibrated preset).
+    argv = ["calibrate", missing, "--name", "x", "--presets", str(bad)]
+    assert "calibration file" in _one_line_error(capsys, 2, argv)
+    assert main(["--help"]) == 0
+    assert "{sweep,simulate,merge,calibrate}" in capsys.readouterr().out
 
 
 def test_merge_warns_when_the_parts_come_from_different_sweeps(tmp_path, capsys):
