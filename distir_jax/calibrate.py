@@ -183,15 +183,8 @@ def calibrate(
         raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
     program = stack_programs(programs)
     measured = _checked_measured(measured, program.flops.shape[0])
-    devices = program.resident_bytes.shape[-1]
-    if devices > topology.num_devices:
-        raise ValueError(
-            f"the programs are lowered for up to {devices} devices but topology {topology.name!r} has "
-            f"{topology.num_devices}; lower them for this topology"
-        )
+    base = _hardware_of(program, topology)
     with jax.enable_x64(True):
-        hardware = _first_devices(topology, devices)
-        base = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), hardware)
         target = jnp.log(jnp.asarray(measured))
 
         def residual(theta):  # [B] log(simulated / measured)
@@ -446,16 +439,21 @@ def step_times_on(programs: Sequence[Program], topology: Topology) -> np.ndarray
     devices; with size variants, one per variant) on ``topology``: exact
     semantics, float64, as :attr:`Calibration.predicted` gives them."""
     program = stack_programs(programs)
+    hardware = _hardware_of(program, topology)
+    with jax.enable_x64(True):
+        return np.asarray(simulate(program, hardware).step_time, np.float64)
+
+
+def _hardware_of(program: Program, topology: Topology) -> Hardware:
+    """The float64 hardware of ``topology``'s first devices, as many as ``program``
+    (stacked) is lowered for."""
     devices = program.resident_bytes.shape[-1]
     if devices > topology.num_devices:
         raise ValueError(
             f"the programs are lowered for up to {devices} devices but topology {topology.name!r} has "
-            f"{topology.num_devices}"
+            f"{topology.num_devices}; lower them for this topology"
         )
-    with jax.enable_x64(True):
-        hardware = _first_devices(topology, devices)
-        hardware = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), hardware)
-        return np.asarray(simulate(program, hardware).step_time, np.float64)
+    return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), _first_devices(topology, devices))
 
 
 def _first_devices(topology: Topology, count: int) -> Hardware:
