@@ -12,9 +12,11 @@ device's peak FLOP/s, say, is multiplied by the same ``exp(theta)``. The loss
 is the mean squared log ratio of simulated to measured step times, so a 1 ms
 and a 10 s program weigh alike, and the factors stay positive.
 Levenberg-Marquardt minimizes it by default (the kernel's Jacobian by
-forward-mode differentiation, a few iterations); any optax transformation
-may instead. The simulation is exact (``temperature=None``: the derivative
-of each max is its winner's) unless a temperature smooths it. Everything runs in float64, whatever
+forward-mode differentiation, a few iterations; where it stops short at a
+kink of the piecewise-linear step times, a fit of the smoothed timeline
+carries it on); any optax transformation may instead. The simulation is
+exact (``temperature=None``: the derivative of each max is its winner's)
+unless a temperature smooths it. Everything runs in float64, whatever
 ``jax_enable_x64`` says, as sweeps do.
 
 A field the measured programs do not depend on (links, for programs that
@@ -69,6 +71,14 @@ _UNCONSTRAINED = 1e-9
 # along a direction the measurements barely feel (then also weakly determined).
 FACTOR_BOUNDS = (1e-6, 1e3)
 _LOG_BOUNDS = tuple(float(np.log(b)) for b in FACTOR_BOUNDS)
+# A loss this low is an exact fit (log ratios of ~1e-12: float64's noise).
+_EXACT_FIT = 1e-24
+# The smoothing temperature that lets a stalled fit past a kink, relative to the
+# shortest measured step (0.01% to 1% all escaped where measured).
+_ESCAPE = 1e-3
+# Iterations of each of its two fits at most (kinks passed: 10-30; measurements
+# nothing fits exactly would otherwise spend the whole budget twice).
+_ESCAPE_STEPS = 20
 # Measurement noise assumed when judging how well the fit determines a factor
 # (relative, on every step time), and the factor change that is too much for it.
 _NOISE = 0.01
@@ -162,6 +172,24 @@ def calibrate(
         program that takes no time, ``steps < 1``, or an initial factor of a
         field not fitted or outside :data:`FACTOR_BOUNDS`.
     """
+    return fit_factors(programs, measured, topology, fields, optimizer, steps, temperature, initial_scales)
+
+
+def fit_factors(
+    programs,
+    measured,
+    topology,
+    fields,
+    optimizer,
+    steps,
+    temperature,
+    initial_scales,
+    *,
+    escape: bool = True,
+) -> Calibration:
+    """:func:`calibrate` (its arguments in order); ``escape=False`` leaves a fit
+    stalled at a kink where it stopped (a caller that refits anyway saves the
+    smoothed fit: see :func:`search.calibration.calibrate_configs`)."""
     if isinstance(programs, Program) or not isinstance(programs, Sequence):
         raise TypeError(f"programs must be a sequence of lowered Programs, got {type(programs).__name__}")
     if not programs:
@@ -193,8 +221,8 @@ def calibrate(
         # One compiled function of residuals and their Jacobian serves every step, the
         # checks below and later fits of programs of the same shapes (each compile of
         # the kernel costs seconds on a CPU).
-        linearized = functools.partial(_linearized, program=program, base=base, target=target)
-        linearized = functools.partial(linearized, fields=fields, temperature=temperature)
+        fixed = functools.partial(_linearized, program=program, base=base, target=target, fields=fields)
+        linearized = functools.partial(fixed, temperature=temperature)
 
         def step_times(theta) -> tuple[np.ndarray, np.ndarray]:
             """Exact step times at ``theta`` and ``[B, F]`` their log's derivatives."""
@@ -210,6 +238,9 @@ def calibrate(
         theta = start
         if optimizer is None:
             theta, losses = _levenberg_marquardt(linearized, theta, steps)
+            if temperature is None and escape:
+                smooth = functools.partial(fixed, temperature=float(_ESCAPE * measured.min()))
+                theta, losses = _escape_kinks(linearized, smooth, theta, losses, steps)
         else:
             theta, losses = _descend(residual, theta, optax.with_extra_args_support(optimizer), steps)
             if not np.isfinite(theta).all():
@@ -272,6 +303,23 @@ def _weakly_determined(jac: np.ndarray, fields: tuple[str, ...], skip: tuple[str
     return tuple(fields[i] for i, s in zip(keep, spread, strict=True) if _NOISE * s > _TOO_FAR)
 
 
+def _escape_kinks(linearized, smooth, theta: np.ndarray, losses: np.ndarray, steps: int) -> tuple:
+    """Step times are piecewise linear in the figures' reciprocals, and Gauss-Newton
+    can stop at a kink short of a fit the measurements allow (one set of six
+    small-model steps: 0.4% off, the factors up to 80%). Where it stopped short,
+    fit the smoothed timeline from there (its maxes soft, ``smooth``), then the
+    exact one from that fit; keep whichever ends lower. Returns ``(theta, losses)``
+    (the exact fit's losses, the polish's after them when it is kept)."""
+    loss = float(np.mean(np.asarray(linearized(theta)[0]) ** 2))
+    if loss < _EXACT_FIT:
+        return theta, losses
+    smoothed, _ = _levenberg_marquardt(smooth, theta, min(steps, _ESCAPE_STEPS))
+    polished, polish_losses = _levenberg_marquardt(linearized, smoothed, min(steps, _ESCAPE_STEPS))
+    if float(np.mean(np.asarray(linearized(polished)[0]) ** 2)) < loss:
+        return polished, np.concatenate([losses, polish_losses])
+    return theta, losses
+
+
 def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """Minimizes ``mean(r ** 2)`` by damped Gauss-Newton steps (``linearized(theta)``:
     the residuals ``r`` and their Jacobian).
@@ -287,7 +335,7 @@ def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.
     loss, damping, losses = float(np.mean(r**2)), 1e-3, []
     for _ in range(steps):
         losses.append(loss)
-        if loss < 1e-24:  # log ratios of ~1e-12: float64's noise over a program's sums
+        if loss < _EXACT_FIT:  # log ratios of ~1e-12: float64's noise over a program's sums
             break
         curvature = np.sqrt(np.sum(jac**2, axis=0)) + 1e-12  # zero for unconstrained fields
         while damping < 1e12:

@@ -14,7 +14,9 @@ them at once. The programs come from one of the sweep's engines:
   repeated: blocks are measured again on the calibrated figures, and the
   fit restarts from them until the programs no longer change (one or two
   rounds more; none when no fine op changes side), at most ``_MAX_ROUNDS``
-  fits, keeping the one whose own programs miss the measurements least.
+  fits and one more (a settled fit short of exact gets ``calibrate``'s
+  smoothed escape past a kink once), keeping the one whose own programs
+  miss the measurements least.
   Its step times (``predicted``) are the fine programs' own on its figures.
 * ``"exact"``: the full training program built with the transforms (one
   replica of each symmetric group), as the exact engine does.
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from distir_jax.calibrate import Calibration, calibrate, step_times_on
+from distir_jax.calibrate import _EXACT_FIT, Calibration, calibrate, fit_factors, step_times_on
 from distir_jax.lower import Program, lower
 from search.results import COLUMNS
 from search.space import Config
@@ -124,14 +126,16 @@ def _calibrate_coarse(configs: list[Config], measured, largest, options: dict) -
     Each round measures blocks on the last fit's figures and fits from there.
     Where measurements the model cannot meet exactly keep a fine op moving
     between compute- and memory-bound from round to round, the rounds stop
-    after ``_MAX_ROUNDS``, at the fit whose own programs (exact on its
-    figures) miss the measurements least.
+    after ``_MAX_ROUNDS`` fits (one more where a settled fit goes on past a
+    kink), at the fit whose own programs (exact on its figures) miss the
+    measurements least.
     """
     from search._fast import FastEngine, fast_unsupported
 
+    arguments = dict(dict.fromkeys(("fields", "optimizer", "steps", "temperature")), **options)
     fine = {i: _fine_program(c) for i, c in enumerate(configs) if fast_unsupported(c)}
-    fits, best, fitted, scales = [], None, None, {}
-    for _ in range(_MAX_ROUNDS + 1):
+    fits, best, fitted, scales, escaped = [], None, None, {}, False
+    while True:
         engine = FastEngine(configs, scales=scales)
         programs = [fine[i] if i in fine else engine.long_program(c) for i, c in enumerate(configs)]
         if fits:  # the last fit, judged on programs exact on its figures
@@ -139,9 +143,20 @@ def _calibrate_coarse(configs: list[Config], measured, largest, options: dict) -
             loss = float(np.mean(np.log(predicted / fits[-1].measured) ** 2))
             if best is None or loss < best[0]:
                 best = (loss, dataclasses.replace(fits[-1], predicted=predicted))
-            if _same_programs(programs, fitted) or len(fits) == _MAX_ROUNDS:
+            settled = _same_programs(programs, fitted)
+            # Settled short of an exact fit: once, let the fit go on past a kink
+            # (calibrate's smoothed escape; the rounds before need none, as each
+            # restarts from new programs anyway).
+            escape = settled and best[0] > _EXACT_FIT and not escaped
+            if (settled and not escape) or len(fits) >= _MAX_ROUNDS + escaped + escape:
                 break
-        fits.append(calibrate(programs, measured, largest, initial_scales=scales or None, **options))
+            escaped |= escape
+        else:
+            escape = False
+        start = scales or None
+        fits.append(
+            fit_factors(programs, measured, largest, initial_scales=start, escape=escape, **arguments)
+        )
         fitted, scales = programs, fits[-1].scales
     fit, losses = best[1], np.concatenate([fit.losses for fit in fits])
     # A later round's programs may not depend on a field the nominal figures' did
