@@ -224,9 +224,10 @@ def fit_factors(
         fixed = functools.partial(_linearized, program=program, base=base, target=target, fields=fields)
         linearized = functools.partial(fixed, temperature=temperature)
 
-        def step_times(theta) -> tuple[np.ndarray, np.ndarray]:
-            """Exact step times at ``theta`` and ``[B, F]`` their log's derivatives."""
-            r, jac = (np.asarray(x) for x in linearized(theta))
+        def step_times(theta, known=None) -> tuple[np.ndarray, np.ndarray]:
+            """Exact step times at ``theta`` and ``[B, F]`` their log's derivatives
+            (``known``: ``linearized(theta)``, when a fit already has it)."""
+            r, jac = (np.asarray(x) for x in (known or linearized(theta)))
             if temperature is not None:  # the smoothed times are not the exact ones
                 return _exact_times(program, base, fields, theta), jac
             return measured * np.exp(r), jac
@@ -235,12 +236,12 @@ def fit_factors(
         idle = np.flatnonzero(~(initial > 0))
         if idle.size:  # its log has no gradient: nothing to fit it by
             raise ValueError(f"program {idle[0]} simulates in 0 s (no op takes time); leave it out")
-        theta = start
+        theta, at_fit = start, None
         if optimizer is None:
-            theta, losses = _levenberg_marquardt(linearized, theta, steps)
+            theta, losses, at_fit = _levenberg_marquardt(linearized, theta, steps)
             if temperature is None and escape:
                 smooth = functools.partial(fixed, temperature=float(_ESCAPE * measured.min()))
-                theta, losses = _escape_kinks(linearized, smooth, theta, losses, steps)
+                theta, losses, at_fit = _escape_kinks(linearized, smooth, theta, losses, at_fit, steps)
         else:
             theta, losses = _descend(residual, theta, optax.with_extra_args_support(optimizer), steps)
             if not np.isfinite(theta).all():
@@ -251,7 +252,7 @@ def fit_factors(
         # Fields the programs depend on neither at the nominal figures nor at the
         # fitted ones. (A factor the fit drove to ~0 has no effect at the fitted
         # point, but the measurements said so: it stays.)
-        predicted, sensitivity = step_times(theta)
+        predicted, sensitivity = step_times(theta, at_fit)
         most = np.maximum(np.abs(sensitivity).max(axis=0), np.abs(nominal_sensitivity).max(axis=0))
         unconstrained = tuple(f for f, s in zip(fields, most, strict=True) if s < _UNCONSTRAINED)
         weak = _weakly_determined(sensitivity, fields, unconstrained)
@@ -303,26 +304,30 @@ def _weakly_determined(jac: np.ndarray, fields: tuple[str, ...], skip: tuple[str
     return tuple(fields[i] for i, s in zip(keep, spread, strict=True) if _NOISE * s > _TOO_FAR)
 
 
-def _escape_kinks(linearized, smooth, theta: np.ndarray, losses: np.ndarray, steps: int) -> tuple:
+def _escape_kinks(linearized, smooth, theta: np.ndarray, losses: np.ndarray, at_fit, steps: int) -> tuple:
     """Step times are piecewise linear in the figures' reciprocals, and Gauss-Newton
     can stop at a kink short of a fit the measurements allow (one set of six
     small-model steps: 0.4% off, the factors up to 80%). Where it stopped short,
     fit the smoothed timeline from there (its maxes soft, ``smooth``), then the
-    exact one from that fit; keep whichever ends lower. Returns ``(theta, losses)``
-    (the exact fit's losses, the polish's after them when it is kept)."""
-    loss = float(np.mean(np.asarray(linearized(theta)[0]) ** 2))
+    exact one from that fit; keep whichever ends lower. Takes and returns
+    ``(theta, losses, at_fit)`` as :func:`_levenberg_marquardt` gives them (the
+    polish's losses after the fit's when it is kept)."""
+    loss = float(np.mean(at_fit[0] ** 2))
     if loss < _EXACT_FIT:
-        return theta, losses
-    smoothed, _ = _levenberg_marquardt(smooth, theta, min(steps, _ESCAPE_STEPS))
-    polished, polish_losses = _levenberg_marquardt(linearized, smoothed, min(steps, _ESCAPE_STEPS))
-    if float(np.mean(np.asarray(linearized(polished)[0]) ** 2)) < loss:
-        return polished, np.concatenate([losses, polish_losses])
-    return theta, losses
+        return theta, losses, at_fit
+    smoothed, _, _ = _levenberg_marquardt(smooth, theta, min(steps, _ESCAPE_STEPS))
+    polished, polish_losses, at_polished = _levenberg_marquardt(
+        linearized, smoothed, min(steps, _ESCAPE_STEPS)
+    )
+    if float(np.mean(at_polished[0] ** 2)) < loss:
+        return polished, np.concatenate([losses, polish_losses]), at_polished
+    return theta, losses, at_fit
 
 
-def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple:
     """Minimizes ``mean(r ** 2)`` by damped Gauss-Newton steps (``linearized(theta)``:
-    the residuals ``r`` and their Jacobian).
+    the residuals ``r`` and their Jacobian). Returns ``(theta, losses, (r, jac))``,
+    the last two at the returned ``theta`` (callers need not evaluate it again).
 
     Step times are max-plus in the op costs, so the residuals are piecewise
     smooth in ``theta`` and nearly linear within a piece: Gauss-Newton lands
@@ -354,7 +359,7 @@ def _levenberg_marquardt(linearized, theta: np.ndarray, steps: int) -> tuple[np.
             break  # no step lowers the loss: a minimum
         theta, r, jac = theta + delta, trial, trial_jac
         loss, damping = float(np.mean(r**2)), max(damping / 3.0, 1e-12)
-    return theta, np.asarray(losses)
+    return theta, np.asarray(losses), (r, jac)
 
 
 def _descend(residual, theta: np.ndarray, optimizer, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -526,6 +531,19 @@ def _exact_times(program: Program, base: Hardware, fields, theta) -> np.ndarray:
     return np.asarray(simulate(program, _scaled(base, fields, theta)).step_time, np.float64)
 
 
+def check_scales(scales: Mapping[str, float]) -> None:
+    """Raises ValueError unless ``scales`` maps some of :data:`CALIBRATABLE_FIELDS`
+    to positive finite factors (as :func:`scaled_topology` and
+    :func:`~distir_jax.presets.register_calibrated_preset` take them)."""
+    unknown = sorted(set(scales) - set(CALIBRATABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"scales: unknown field(s) {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
+    for field, factor in scales.items():
+        number = isinstance(factor, (int, float, np.number)) and not isinstance(factor, (bool, np.bool_))
+        if not (number and np.isfinite(factor) and factor > 0):
+            raise ValueError(f"scales[{field!r}] must be a positive finite number, got {factor!r}")
+
+
 def scaled_topology(topology: Topology, scales: Mapping[str, float]) -> Topology:
     """``topology`` with each field in ``scales`` multiplied by its factor (a new
     object, named ``"<name> (calibrated)"``).
@@ -534,14 +552,7 @@ def scaled_topology(topology: Topology, scales: Mapping[str, float]) -> Topology
       ValueError: for a field not in :data:`CALIBRATABLE_FIELDS` or a factor
         that is not a positive finite number.
     """
-    unknown = sorted(set(scales) - set(CALIBRATABLE_FIELDS))
-    if unknown:
-        raise ValueError(f"scales: unknown field(s) {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
-    for field, factor in scales.items():
-        if isinstance(factor, bool) or not (
-            isinstance(factor, (int, float, np.number)) and 0 < factor < np.inf
-        ):
-            raise ValueError(f"scales[{field!r}] must be a positive finite number, got {factor!r}")
+    check_scales(scales)
     changes = {f: np.asarray(getattr(topology, f)) * s for f, s in scales.items()}
     if "launch_overhead" in changes:
         changes["launch_overhead"] = float(changes["launch_overhead"])

@@ -347,19 +347,13 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
     The preset lives in this process; :func:`distir_jax.calibrate.save_calibration`
     writes it to a file that ``load_calibration`` (and the CLI's ``--presets``) reads back.
     """
-    from distir_jax.calibrate import CALIBRATABLE_FIELDS  # the fields a calibration scales
+    from distir_jax.calibrate import CALIBRATABLE_FIELDS, check_scales  # what a calibration scales
 
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"a preset name is a non-empty string without ':', got {name!r}")
     if base not in _NODES:
         raise ValueError(f"unknown base preset {base!r}; expected one of {sorted(_NODES)}")
-    unknown = sorted(set(scales) - set(CALIBRATABLE_FIELDS))
-    if unknown:
-        raise ValueError(f"scales: unknown field(s) {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
-    for field, factor in scales.items():
-        number = isinstance(factor, (int, float, np.number)) and not isinstance(factor, (bool, np.bool_))
-        if not (number and np.isfinite(factor) and factor > 0):
-            raise ValueError(f"scales[{field!r}] must be a positive finite number, got {factor!r}")
+    check_scales(scales)
     s = {field: float(scales.get(field, 1.0)) for field in CALIBRATABLE_FIELDS}
     spec = _NODES[base]
     gpu = dataclasses.replace(

@@ -139,11 +139,11 @@ def _calibrate_coarse(configs: list[Config], measured, largest, options: dict) -
         engine = FastEngine(configs, scales=scales)
         programs = [fine[i] if i in fine else engine.long_program(c) for i, c in enumerate(configs)]
         if fits:  # the last fit, judged on programs exact on its figures
-            predicted = step_times_on(programs, fits[-1].topology)
+            settled = _same_programs(programs, fitted)  # then its own times are exact already
+            predicted = fits[-1].predicted if settled else step_times_on(programs, fits[-1].topology)
             loss = float(np.mean(np.log(predicted / fits[-1].measured) ** 2))
             if best is None or loss < best[0]:
                 best = (loss, dataclasses.replace(fits[-1], predicted=predicted))
-            settled = _same_programs(programs, fitted)
             # Settled short of an exact fit: once, let the fit go on past a kink
             # (calibrate's smoothed escape; the rounds before need none, as each
             # restarts from new programs anyway).
