@@ -59,6 +59,7 @@ from distir_jax.presets import (
     register_calibrated_preset,
     save_topology,
 )
+from distir_jax.sensitivity import step_time_elasticities
 
 __version__ = "0.1.0"
 
@@ -108,4 +109,5 @@ __all__ = [
     "simulate",
     "stack_hardware",
     "stack_programs",
+    "step_time_elasticities",
 ]

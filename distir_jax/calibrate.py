@@ -423,6 +423,19 @@ def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
     nonzero = tuple(f for f in CALIBRATABLE_FIELDS if np.any(np.asarray(getattr(topology, f)) != 0))
     if fields is None:
         return nonzero
+    fields = named_fields(fields)
+    zero = [f for f in fields if f not in nonzero]
+    if zero:
+        raise ValueError(
+            f"fields {zero} are 0 everywhere in topology {topology.name!r}: no factor moves them; "
+            "leave them out"
+        )
+    return fields
+
+
+def named_fields(fields) -> tuple[str, ...]:
+    """``fields`` (a name of :data:`CALIBRATABLE_FIELDS` or a sequence of them) as a
+    tuple; a ValueError names what is unknown, repeated or missing."""
     if not isinstance(fields, (str, Sequence)):
         raise ValueError(f"fields must be a field name or a sequence of them, got {fields!r}")
     fields = (fields,) if isinstance(fields, str) else tuple(fields)
@@ -431,12 +444,6 @@ def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
         raise ValueError(f"fields: unknown {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
     if not fields or len(set(fields)) < len(fields):
         raise ValueError(f"fields must be distinct names, at least one, got {list(fields)}")
-    zero = [f for f in fields if f not in nonzero]
-    if zero:
-        raise ValueError(
-            f"fields {zero} are 0 everywhere in topology {topology.name!r}: no factor moves them; "
-            "leave them out"
-        )
     return fields
 
 

@@ -444,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a Chrome trace to PATH: an event per pipeline step, message and "
         "data-parallel op of the coarse program (fast engine), or per op of the fine one (exact)",
     )
+    m.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="also print what each hardware figure is worth: the %% change of the step time "
+        "per 1%% more peak FLOP/s, memory bandwidth, link bandwidth, link latency and launch "
+        "overhead (derivatives through the timeline: overlap and bubbles included)",
+    )
 
     g = sub.add_parser(
         "merge",
@@ -987,6 +994,7 @@ def _simulate(args) -> int:
     from search.single import (
         SingleResult,
         coarse_chrome_trace,
+        config_elasticities,
         make_config,
         simulate_config,
         summarize_config,
@@ -1052,6 +1060,8 @@ def _simulate(args) -> int:
             f"  ({shown} of {config.world_size} devices simulated; the others are identical replicas of "
             "these. Use --full to simulate all.)"
         )
+    if args.sensitivity:
+        _print_sensitivity(config_elasticities(config, engine=engine))
     if args.trace:
         if isinstance(result, SingleResult):  # the fine program's
             trace, what = result, "an event per op of the fine program"
@@ -1061,6 +1071,17 @@ def _simulate(args) -> int:
         write_chrome_trace(trace, args.trace)
         print(f"trace: {os.path.abspath(args.trace)} ({what})")
     return 0
+
+
+def _print_sensitivity(elasticities: dict[str, float]) -> None:
+    """``simulate --sensitivity``'s lines: each figure's elasticity, and what it says."""
+    from distir_jax.sensitivity import SPEED_FIELDS
+
+    print("sensitivity: the step time's change per 1% more of each hardware figure, and the share")
+    print("of the critical path that figure's time is (derivatives through the whole timeline):")
+    for field, value in elasticities.items():
+        share = -value if field in SPEED_FIELDS else value
+        print(f"  {field:18s} {value:+9.4f}%   {share:6.1%} of the critical path")
 
 
 def _has_pyarrow() -> bool:

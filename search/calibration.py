@@ -36,8 +36,9 @@ import jax
 import numpy as np
 
 from distir_jax.calibrate import _EXACT_FIT, Calibration, calibrate, fit_factors, step_times_on
-from distir_jax.lower import Program, lower
+from distir_jax.lower import Program
 from search.results import COLUMNS
+from search.single import fine_program
 from search.space import Config
 
 _ENGINES = ("fast", "exact")
@@ -109,15 +110,8 @@ def calibrate_configs(configs: Sequence[Config], measured, *, engine: str = "fas
                 f"{largest.name}; calibrate one cluster at a time"
             )
     if engine == "exact":
-        return calibrate([_fine_program(c) for c in configs], measured, largest, **options)
+        return calibrate([fine_program(c) for c in configs], measured, largest, **options)
     return _calibrate_coarse(configs, measured, largest, options)
-
-
-def _fine_program(config: Config) -> Program:
-    from search._transform import build_function
-
-    fn = build_function(config, config.global_batch_size, representative_only=True)
-    return lower(fn, config.topology())
 
 
 def _calibrate_coarse(configs: list[Config], measured, largest, options: dict) -> Calibration:
@@ -133,7 +127,7 @@ def _calibrate_coarse(configs: list[Config], measured, largest, options: dict) -
     from search._fast import FastEngine, fast_unsupported
 
     arguments = dict(dict.fromkeys(("fields", "optimizer", "steps", "temperature")), **options)
-    fine = {i: _fine_program(c) for i, c in enumerate(configs) if fast_unsupported(c)}
+    fine = {i: fine_program(c) for i, c in enumerate(configs) if fast_unsupported(c)}
     fits, best, fitted, scales, escaped = [], None, None, {}, False
     while True:
         engine = FastEngine(configs, scales=scales)

@@ -133,6 +133,57 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
     return ConfigSummary(row, ready.devices, ready.peak_bytes[variant], _simulated(ready))
 
 
+def config_elasticities(config: Config, *, engine: str = "fast", fields=None) -> dict[str, float]:
+    """What each hardware figure of its preset is worth to one valid configuration:
+    ``d log(step time) / d log(figure)`` (see :mod:`distir_jax.sensitivity`).
+
+    ``engine="fast"`` differentiates the fast engine's coarse program at full
+    length (its fine ops' roofline sides fixed where the preset puts them: the
+    fine program's derivative wherever no op sits exactly on its roofline's
+    ridge; a GPT-3 175B pipeline takes about a second); ``"exact"``, and rows
+    the fast engine does not model, the fine program (one replica of each
+    symmetric group; minutes for GPT-3-sized pipelines). ``fields``: as
+    :func:`~distir_jax.sensitivity.step_time_elasticities` takes them.
+
+    Returns:
+      ``{field: elasticity}``: speeds (peak FLOP/s, memory and link bandwidth)
+      negative or 0, times (link latency, launch overhead) positive or 0; the
+      speeds' minus the times' add up to -1.
+
+    Raises:
+      TypeError: when ``config`` is not a :class:`~search.space.Config`.
+      ValueError: when the configuration is invalid (its reason), ``engine``
+        is unknown, or a field is not a hardware figure.
+    """
+    from distir_jax.sensitivity import step_time_elasticities
+    from search._fast import ENGINES, FastEngine, fast_unsupported
+
+    require_config("config", config)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not config.valid:
+        raise ValueError(f"invalid configuration: {config.reason}")
+    program = None
+    if engine == "fast" and not fast_unsupported(config):
+        try:
+            program = FastEngine([config]).long_program(config)
+        except SplitBlockError:  # no coarse program expresses it: the fine one then
+            pass
+    if program is None:
+        program = fine_program(config)
+    found = step_time_elasticities([program], config.topology(), fields)
+    return {field: float(values[0]) for field, values in found.items()}
+
+
+def fine_program(config: Config):
+    """The lowered fine training program of a valid configuration (one replica of
+    each symmetric group), as the exact engine builds it."""
+    from search._transform import build_function
+
+    fn = build_function(config, config.global_batch_size, representative_only=True)
+    return lower(fn, config.topology())
+
+
 def require_config(name: str, value) -> None:
     """Raises a TypeError naming argument ``name`` unless ``value`` is one :class:`Config`."""
     if not isinstance(value, Config):

@@ -256,7 +256,7 @@ def test_coarse_calibration_predicts_the_fine_programs_step_times(registry):
     from distir_jax.calibrate import step_times_on
     from distir_jax.models import TransformerConfig
     from search import calibrate_configs, make_config, simulate_config
-    from search.calibration import _fine_program
+    from search.single import fine_program
 
     tiny = TransformerConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=512, seq_len=64)
     knobs = [
@@ -274,7 +274,7 @@ def test_coarse_calibration_predicts_the_fine_programs_step_times(registry):
     measured = np.asarray(exact) * (1 + np.array([0.05, -0.03, 0.02, -0.05, 0.04, -0.01]))
     configs = [make_config(tiny, **k) for k in knobs]
     fit = calibrate_configs(configs, measured)
-    fine = step_times_on([_fine_program(c) for c in configs], fit.topology)
+    fine = step_times_on([fine_program(c) for c in configs], fit.topology)
     np.testing.assert_allclose(fit.predicted, fine, rtol=1e-9)
     assert np.max(np.abs(fit.relative_error)) < 0.06
 

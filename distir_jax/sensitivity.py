@@ -1,0 +1,96 @@
+"""What each hardware figure is worth to a program: step-time elasticities, by
+forward-mode differentiation through the timeline kernel.
+
+``step_time_elasticities(programs, topology)[field][b]`` is ``d log(step time)
+/ d log(figure)`` of program ``b``, the figure (one of
+:data:`~distir_jax.calibrate.CALIBRATABLE_FIELDS`) scaled on every device and
+link at once. -0.9 for ``peak_flops`` says 1% more FLOP/s shortens the step by
+~0.9%: the step is compute-bound; +0.05 for ``link_latency``, that 1% more
+latency lengthens it by ~0.05%. It answers "what bounds this strategy on this
+cluster" beyond the compute / communication / bubble split of a result row,
+which cannot say whether communication that overlaps compute still delays
+the step: the derivative follows the critical path through the whole
+timeline, overlap and pipeline bubbles included.
+
+Budget: a step time is homogeneous in the figures. Scaling every speed (peak
+FLOP/s, memory and link bandwidth) by ``s`` and every time (link latency,
+launch overhead) by ``1 / s`` scales every op, hence the step, by ``1 / s``;
+so the speeds' elasticities minus the times' add up to -1 (Euler's theorem),
+and each figure's share of the step is its elasticity's size.
+
+The derivative is local. A step time is piecewise linear in the figures'
+reciprocals, and where two paths tie for the critical one (symmetric
+pipelines do), JAX's derivative of a max averages the tied branches: the
+value lies between the rates of shortening and of lengthening the figure,
+and the budget above still holds (tied branches are equal in value, so any
+average of them is homogeneous too). Rooflines tie only where an op's
+flops and bytes take exactly equally long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from distir_jax.calibrate import CALIBRATABLE_FIELDS, _hardware_of, _linearized, named_fields
+from distir_jax.ir.topology import Topology
+from distir_jax.lower import Program, _check_program, stack_programs
+
+__all__ = ["SPEED_FIELDS", "TIME_FIELDS", "step_time_elasticities"]
+
+# Figures that make an op faster as they grow, and those that make it slower.
+SPEED_FIELDS = ("peak_flops", "memory_bandwidth", "link_bandwidth")
+TIME_FIELDS = ("link_latency", "launch_overhead")
+
+
+def step_time_elasticities(
+    programs: Sequence[Program], topology: Topology, fields: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """``d log(step time) / d log(figure)`` of each program, per hardware figure.
+
+    Args:
+      programs: lowered programs (:func:`~distir_jax.lower.lower`), each for
+        at most ``topology``'s devices; a program with size variants gives
+        one value per variant.
+      topology: the cluster, at the figures to differentiate at.
+      fields: figures of :data:`~distir_jax.calibrate.CALIBRATABLE_FIELDS`
+        (default: all five). A figure that is 0 in ``topology`` (no launch
+        overhead) has elasticity 0.
+
+    Returns:
+      ``{field: [B] elasticities}`` in ``fields``' order; exact semantics,
+      float64, from one forward-mode Jacobian (one kernel call with a
+      tangent per field).
+
+    Raises:
+      TypeError: when ``programs`` is not a sequence of lowered Programs.
+      ValueError: for no programs, an unknown or repeated field, a program
+        on more devices than ``topology`` has, or one that takes no time.
+    """
+    if isinstance(programs, Program) or not isinstance(programs, Sequence):
+        raise TypeError(f"programs must be a sequence of lowered Programs, got {type(programs).__name__}")
+    if not programs:
+        raise ValueError("step_time_elasticities needs at least one program")
+    for i, program in enumerate(programs):
+        _check_program(program, f"step_time_elasticities: program {i}")
+    fields = CALIBRATABLE_FIELDS if fields is None else named_fields(fields)
+    program = stack_programs(programs)
+    base = _hardware_of(program, topology)
+    batch = program.flops.shape[0]
+    with jax.enable_x64(True):
+        # log step time and its Jacobian: the calibration's residual against a target of 1 s.
+        log_time, jac = _linearized(
+            np.zeros(len(fields)),
+            program=program,
+            base=base,
+            target=np.zeros(batch),
+            fields=fields,
+            temperature=None,
+        )
+    idle = np.flatnonzero(~np.isfinite(np.asarray(log_time)))
+    if idle.size:
+        raise ValueError(f"program {idle[0]} simulates in 0 s (no op takes time): it has no elasticities")
+    jac = np.asarray(jac, np.float64)
+    return {field: jac[:, i] for i, field in enumerate(fields)}

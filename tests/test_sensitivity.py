@@ -1,0 +1,126 @@
+"""Step-time elasticities: derivatives through the kernel, checked against the reference simulator."""
+
+import numpy as np
+import pytest
+
+import distir_jax as dj
+from distir_jax.calibrate import CALIBRATABLE_FIELDS, scaled_topology
+from distir_jax.sensitivity import SPEED_FIELDS, TIME_FIELDS
+from distir_jax.testing import random_function
+
+# Relative step of the finite differences, in log figure (1%).
+H = 0.01
+
+
+def _budget(elasticities: dict) -> np.ndarray:
+    """Speeds' elasticities minus the times': -1 for any homogeneous step time."""
+    return sum(elasticities[f] for f in SPEED_FIELDS) - sum(elasticities[f] for f in TIME_FIELDS)
+
+
+def _reference_time(fn, topology, field, log_factor) -> float:
+    return dj.reference_simulate(fn, scaled_topology(topology, {field: float(np.exp(log_factor))})).step_time
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_elasticities_are_subgradients_of_the_reference_step_time(seed):
+    """A step time is convex in each figure's log factor (max-plus in costs that are
+    convex and monotone in it), so any derivative the kernel reports, ties
+    included, lies between the reference simulator's backward and forward
+    differences; and the budget is exact."""
+    topology = dj.get_preset("dgx-a100-80gb:4")
+    fn = random_function(seed, 60, 4, num_streams=2, batch=256, hidden=512, comm_fraction=0.3)
+    found = dj.step_time_elasticities([dj.lower(fn, topology)], topology)
+    assert list(found) == list(CALIBRATABLE_FIELDS)
+    np.testing.assert_allclose(_budget(found), -1.0, atol=1e-12)
+    at = dj.reference_simulate(fn, topology).step_time
+    for field, (value,) in found.items():
+        backward = (at - _reference_time(fn, topology, field, -H)) / H
+        forward = (_reference_time(fn, topology, field, H) - at) / H
+        slope = value * at  # d(step time) / d(log factor)
+        assert backward - 1e-9 * at <= slope <= forward + 1e-9 * at, (field, backward, slope, forward)
+        assert (value <= 0) if field in SPEED_FIELDS else (value >= 0), (field, value)
+
+
+def test_a_send_rests_on_link_bandwidth_and_latency_in_proportion():
+    """One Send: its time is latency plus bytes over bandwidth, and the two
+    elasticities are those parts' shares of it."""
+    topology = dj.get_preset("dgx-a100-80gb:2")
+    fn = dj.calibration_probes()["large_send"]
+    found = dj.step_time_elasticities([dj.lower(fn, topology)], topology)
+    total = dj.reference_simulate(fn, topology).step_time
+    latency = float(np.asarray(topology.link_latency)[0, 1])  # one hop between two devices
+    assert found["link_latency"][0] == pytest.approx(latency / total, rel=1e-9)
+    assert found["link_bandwidth"][0] == pytest.approx(-(total - latency) / total, rel=1e-9)
+    for field in ("peak_flops", "memory_bandwidth", "launch_overhead"):
+        assert found[field][0] == 0.0
+
+
+def test_several_programs_and_chosen_fields():
+    topology = dj.get_preset("dgx-a100-80gb:2")
+    programs = [dj.lower(dj.calibration_probes()[k], topology) for k in ("matmul", "elementwise")]
+    found = dj.step_time_elasticities(programs, topology, fields=("peak_flops", "memory_bandwidth"))
+    assert list(found) == ["peak_flops", "memory_bandwidth"]
+    # The MatMul is compute-bound, the Relu memory-bound (launch overhead aside).
+    assert found["peak_flops"][0] < -0.95 and found["memory_bandwidth"][0] == 0.0
+    assert found["memory_bandwidth"][1] < -0.95 and found["peak_flops"][1] == 0.0
+
+
+def test_bad_arguments_are_named():
+    topology = dj.get_preset("dgx-a100-80gb:2")
+    program = dj.lower(dj.calibration_probes()["matmul"], topology)
+    with pytest.raises(TypeError, match="sequence of lowered Programs"):
+        dj.step_time_elasticities(program, topology)
+    with pytest.raises(ValueError, match="at least one program"):
+        dj.step_time_elasticities([], topology)
+    with pytest.raises(ValueError, match=r"unknown \['flops'\]"):
+        dj.step_time_elasticities([program], topology, fields=["flops"])
+    with pytest.raises(ValueError, match="distinct"):
+        dj.step_time_elasticities([program], topology, fields=["peak_flops", "peak_flops"])
+    two = dj.lower(dj.calibration_probes()["large_send"], topology)
+    with pytest.raises(ValueError, match="lowered for up to 2 devices"):
+        dj.step_time_elasticities([two], dj.get_preset("dgx-a100-80gb:1"))
+
+
+def test_configurations_coarse_programs_have_the_fine_programs_elasticities():
+    """The fast engine's coarse program (its fine ops' roofline sides fixed on the
+    preset) has the fine program's derivatives: pipelines, tensor and data
+    parallelism, gradient overlap and ZeRO, recomputation."""
+    from distir_jax.models import TransformerConfig
+    from search import config_elasticities, make_config
+
+    tiny = TransformerConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=512, seq_len=64)
+    for knobs in (
+        dict(batch_size=16, data=2, tensor=2, pipeline=2, microbatches=4, overlap_grad_comm=True, zero=True),
+        dict(batch_size=16, tensor=2, pipeline=2, microbatches=4, schedule="interleaved", virtual_stages=2),
+        dict(batch_size=8, data=4, recompute="full", optimizer="adam"),
+    ):
+        config = make_config(tiny, **knobs)
+        fast = config_elasticities(config)
+        exact = config_elasticities(config, engine="exact")
+        assert list(fast) == list(CALIBRATABLE_FIELDS)
+        for field in CALIBRATABLE_FIELDS:
+            assert fast[field] == pytest.approx(exact[field], abs=1e-9), (knobs, field)
+        assert sum(fast[f] for f in SPEED_FIELDS) - sum(fast[f] for f in TIME_FIELDS) == pytest.approx(-1.0)
+
+
+def test_configuration_errors_are_named():
+    from search import config_elasticities, make_config
+
+    with pytest.raises(TypeError, match="search.Config"):
+        config_elasticities("gpt2-small")
+    with pytest.raises(ValueError, match="invalid configuration"):
+        config_elasticities(make_config("gpt2-small", batch_size=3, data=2))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        config_elasticities(make_config("mlp-xs", batch_size=8), engine="slow")
+
+
+def test_simulate_prints_the_sensitivity(capsys):
+    from distir_jax.cli import main
+
+    assert main(["simulate", "--model", "mlp-xs", "--batch-size", "64", "--data", "2", "--sensitivity"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("sensitivity:"))
+    rows = [line.split() for line in lines[start + 2 : start + 2 + len(CALIBRATABLE_FIELDS)]]
+    assert [row[0] for row in rows] == list(CALIBRATABLE_FIELDS)
+    values = {row[0]: float(row[1].rstrip("%")) for row in rows}
+    assert _budget(values) == pytest.approx(-1.0, abs=1e-3)  # printed to 4 decimals
