@@ -917,7 +917,8 @@ def _report(table, args, written: list[str], how: str) -> None:
         print(front.format())
         command = simulate_command(best.row(0), preset_files=args.preset_files)
         if command:
-            print(f"\nthe best one up close (each device's peak, a trace of its pipeline):\n  {command}")
+            what = "each device's peak, what bounds it, a trace of its pipeline"
+            print(f"\nthe best one up close ({what}):\n  {command}")
     else:
         _print_why_none_fits(table, limit, under)
     print("\nresults: " + " and ".join(os.path.abspath(p) for p in written))
@@ -925,9 +926,10 @@ def _report(table, args, written: list[str], how: str) -> None:
 
 def simulate_command(row: dict, trace: str = "best.json", preset_files: dict | None = None) -> str | None:
     """The ``distir-jax simulate`` command line of a results row (options at their
-    defaults left out), writing its trace to ``trace``; None for a model that is
-    not a preset (no option names it). ``preset_files``: the calibration file of
-    each calibrated preset (by name), for ``--presets``."""
+    defaults left out), printing its sensitivities and writing its trace to
+    ``trace``; None for a model that is not a preset (no option names it).
+    ``preset_files``: the calibration file of each calibrated preset (by name),
+    for ``--presets``."""
     from distir_jax.models import get_model_config, model_names
 
     if row["model"] not in model_names():
@@ -944,7 +946,8 @@ def simulate_command(row: dict, trace: str = "best.json", preset_files: dict | N
             words += [option] if row[column] else []
         elif row[column] != defaults[name]:
             words += [option, str(row[column])]
-    return " ".join(shlex.quote(word) for word in words + ["--trace", trace])  # pastes back as it is
+    words += ["--sensitivity", "--trace", trace]
+    return " ".join(shlex.quote(word) for word in words)  # pastes back as it is
 
 
 # `distir-jax simulate`'s options that are a configuration's knobs, and their

@@ -504,6 +504,7 @@ def test_sweep_prints_the_command_that_simulates_its_best_row(tmp_path, capsys):
     printed = capsys.readouterr().out
     best = ResultTable.read(out).top_k(1).row(0)
     assert f"step time: {best['step_time_s']:.6g} s" in printed
+    assert "--sensitivity" in command and "\nsensitivity: the step time's change" in printed
     knobs = f"data {best['data']} x tensor {best['tensor']} x pipeline {best['pipeline']}"
     assert f"global batch {best['global_batch_size']}: {knobs}" in printed
     assert trace.exists()
