@@ -1053,16 +1053,22 @@ def _simulate(args) -> int:
         f"compute / communication / bubble on the busiest GPU: {row['compute_time_s']:.4g} / "
         f"{row['communication_time_s']:.4g} / {row['bubble_time_s']:.4g} s"
     )
-    print("peak memory per device:")
-    for device, peak, used in zip(result.devices, result.peak_memory_bytes, result.simulated, strict=True):
+    print("peak memory per device (resident from the start + allocated by the step and held at its peak):")
+    for device, peak, resident, used in zip(
+        result.devices, result.peak_memory_bytes, result.resident_bytes, result.simulated, strict=True
+    ):
         if used:
-            print(f"  device {int(device):>4}: {peak / 1e9:8.3f} GB")
+            held = (peak - resident) / 1e9
+            print(f"  device {int(device):>4}: {peak / 1e9:8.3f} GB = {resident / 1e9:.3f} + {held:.3f}")
     shown = int(result.simulated.sum())
     if shown < config.world_size:
         print(
             f"  ({shown} of {config.world_size} devices simulated; the others are identical replicas of "
             "these. Use --full to simulate all.)"
         )
+    print(
+        "  (resident: weights, optimizer state, the step's data; allocated: activations, gradients, messages)"
+    )
     if args.sensitivity:
         _print_sensitivity(config_elasticities(config, engine=engine))
     if args.trace:
@@ -1083,7 +1089,8 @@ def _print_sensitivity(elasticities: dict[str, float]) -> None:
     print("sensitivity: the step time's change per 1% more of each hardware figure, and the share")
     print("of the critical path that figure's time is (derivatives through the whole timeline):")
     for field, value in elasticities.items():
-        share = -value if field in SPEED_FIELDS else value
+        # + 0.0: a speed the step does not depend on has elasticity +0.0, its share not "-0.0%".
+        share = (-value if field in SPEED_FIELDS else value) + 0.0
         print(f"  {field:18s} {value:+9.4f}%   {share:6.1%} of the critical path")
 
 

@@ -32,12 +32,17 @@ class ConfigSummary:
       peak_memory_bytes: ``[D']`` peak bytes of each of those devices.
       simulated: ``[D']`` whether any op runs on the device (the others only
         appear as ends of a collective's slowest link).
+      resident_bytes: ``[D']`` of each peak, the bytes resident from the
+        start (weights, optimizer state, the step's data); the rest is what
+        the step allocates (activations, gradients, messages) and holds at
+        its peak.
     """
 
     row: dict
     devices: np.ndarray
     peak_memory_bytes: np.ndarray
     simulated: np.ndarray
+    resident_bytes: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +94,7 @@ def simulate_config(
             devices=prepared.devices,
             peak_memory_bytes=prepared.peak_bytes[0],
             simulated=_simulated(prepared),
+            resident_bytes=_resident(prepared, 0),
             op_start=np.asarray(op_start[0, :n], np.float64),
             op_finish=np.asarray(op_finish[0, :n], np.float64),
             op_devices=_op_devices(prepared),
@@ -129,8 +135,10 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
     row = evaluate([config], progress=False, engine="fast", precision=precision).row(0)
     _, ready, variant, _ = prepared[0]
     if ready is None:  # the row is invalid, with the reason the preparation gave
-        return ConfigSummary(row, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool))
-    return ConfigSummary(row, ready.devices, ready.peak_bytes[variant], _simulated(ready))
+        return ConfigSummary(row, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool), np.zeros(0))
+    return ConfigSummary(
+        row, ready.devices, ready.peak_bytes[variant], _simulated(ready), _resident(ready, variant)
+    )
 
 
 def config_elasticities(config: Config, *, engine: str = "fast", fields=None) -> dict[str, float]:
@@ -212,6 +220,12 @@ def _op_devices(prepared) -> np.ndarray:
     """``[N, K]`` the cluster's device of each op slot of a compacted program, -1 for none."""
     slots = np.asarray(prepared.program.slot_device)
     return np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1)
+
+
+def _resident(prepared, variant: int) -> np.ndarray:
+    """``[D']`` bytes resident from the start on each device of a compacted program (size ``variant``)."""
+    resident = np.asarray(prepared.program.resident_bytes, np.float64)
+    return resident[variant] if resident.ndim > 1 else resident
 
 
 def _simulated(prepared) -> np.ndarray:

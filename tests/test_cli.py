@@ -443,7 +443,7 @@ def test_simulate_prints_the_numbers_and_writes_a_trace(tmp_path, capsys):
     ]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    for field in ("status: ok", "step time:", "throughput:", "peak memory per device:", "device    0:"):
+    for field in ("status: ok", "step time:", "throughput:", "peak memory per device (", "device    0:"):
         assert field in text, text
     events = json.loads(trace.read_text())["traceEvents"]
     complete = [e for e in events if e["ph"] == "X"]

@@ -156,10 +156,10 @@ def test_fast_and_exact_tables_agree(swept):
     assert fast["simulated_ops"][used].sum() * 3 < exact["simulated_ops"][used].sum()
 
 
-def _per_device(result) -> dict:
-    """A summary's peak bytes by original device, for the devices its ops run on."""
+def _per_device(result, field: str = "peak_memory_bytes") -> dict:
+    """A summary's peak (or resident) bytes by original device, for the devices its ops run on."""
     used = result.simulated
-    return dict(zip(result.devices[used].tolist(), result.peak_memory_bytes[used].tolist(), strict=True))
+    return dict(zip(result.devices[used].tolist(), getattr(result, field)[used].tolist(), strict=True))
 
 
 def _assert_summary_is_the_fine_programs(config, sweep_row=None):
@@ -179,6 +179,11 @@ def _assert_summary_is_the_fine_programs(config, sweep_row=None):
         [fast_peaks[d] for d in sorted(fast_peaks)], [exact_peaks[d] for d in sorted(fast_peaks)], rtol=1e-9
     )
     assert max(fast_peaks.values()) == fast.row["peak_memory_bytes"]
+    # What of each peak is resident from the start (a steady short program's too: the long one's).
+    fast_resident, exact_resident = (_per_device(r, "resident_bytes") for r in (fast, exact))
+    for d, peak in fast_peaks.items():
+        assert fast_resident[d] == pytest.approx(exact_resident[d], rel=1e-12), (config, d)
+        assert 0 < fast_resident[d] <= peak
 
 
 def test_a_configuration_summarized_fast_is_its_fine_program_device_by_device(swept):
