@@ -422,7 +422,12 @@ def test_sgd_numerics_and_alias(rng):
     w, g = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
     (new_w,) = run("SGD", w, g, lr=0.05)
     np.testing.assert_allclose(new_w, w - 0.05 * g, rtol=1e-15)
-    assert get_spec("SGD").aliases == ((0, 0),)
+    # Mixed precision: the update runs on the master copy, and the weight is written from it.
+    master = rng.normal(size=(3, 4))
+    new_w, new_master = run("SGD", w, g, master, lr=0.05)
+    np.testing.assert_allclose(new_master, master - 0.05 * g, rtol=1e-15)
+    np.testing.assert_array_equal(new_w, new_master)
+    assert get_spec("SGD").aliases == ((0, 0), (1, 2))
 
 
 def test_adam_numerics_over_steps_and_aliases(rng):
@@ -441,7 +446,16 @@ def test_adam_numerics_over_steps_and_aliases(rng):
         np.testing.assert_allclose(w, ref_w, rtol=1e-12)
         np.testing.assert_allclose(m, ref_m, rtol=1e-12)
         np.testing.assert_allclose(v, ref_v, rtol=1e-12)
-    assert get_spec("Adam").aliases == ((0, 0), (1, 2), (2, 3))
+    # Mixed precision: the same update on the master copy; the weight is written from it.
+    master = ref_w.copy()
+    g = rng.normal(size=w.shape)
+    plain = run("Adam", ref_w, g, ref_m, ref_v, lr=lr, beta1=b1, beta2=b2, eps=eps, step=4)
+    mixed = run(
+        "Adam", rng.normal(size=w.shape), g, ref_m, ref_v, master, lr=lr, beta1=b1, beta2=b2, eps=eps, step=4
+    )
+    for got, want in zip(mixed, plain + (plain[0],), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-15)
+    assert get_spec("Adam").aliases == ((0, 0), (1, 2), (2, 3), (3, 4))
 
 
 def test_adam_features_count_weight_elements():
@@ -449,3 +463,30 @@ def test_adam_features_count_weight_elements():
     _, feats = features("Adam", (t,) * 4, lr=0.1)
     assert feats.mem_bytes == 7 * 400
     assert feats.flops == 14 * 100
+    # Mixed precision: bf16 weight and gradient, f32 moments and master. The weight is
+    # written, not read: g, m, v, master in; w, m, v, master out.
+    half, wide = TensorType((10, 10), "bf16"), TensorType((10, 10), "f32")
+    outs, feats = features("Adam", (half, half, wide, wide, wide), lr=0.1)
+    assert [o.dtype for o in outs] == ["bf16", "f32", "f32", "f32"]
+    assert feats.mem_bytes == (2 + 3 * 4 + 2 + 3 * 4) * 100
+    assert feats.flops == 14 * 100
+    outs, feats = features("SGD", (half, half, wide), lr=0.1)
+    assert [o.dtype for o in outs] == ["bf16", "f32"] and feats.mem_bytes == (2 + 4 + 2 + 4) * 100
+    assert feats.flops == 2 * 100
+
+
+@pytest.mark.parametrize(
+    "op_type, types, match",
+    [
+        # f32 moments for a bf16 weight need its f32 master copy.
+        ("Adam", ("bf16", "bf16", "f32", "f32"), "need its master copy"),
+        ("Adam", ("bf16", "bf16", "f32", "f32", "bf16"), "share one dtype"),
+        ("Adam", ("bf16", "f32", "f32", "f32", "f32"), "share one dtype"),
+        ("Adam", ("f32",) * 3, "optionally an f32 master copy"),
+        ("SGD", ("bf16", "bf16", "f32", "f32"), "optionally an f32 master copy"),
+        ("SGD", ("bf16", "bf16", "i32"), "float dtype"),
+    ],
+)
+def test_optimizer_operand_errors(op_type, types, match):
+    with pytest.raises(ValueError, match=match):
+        features(op_type, tuple(TensorType((4, 4), d) for d in types), lr=0.1)

@@ -2,6 +2,14 @@
 
 Updates are in place: each new state tensor aliases the old one (``aliases``),
 so a training step allocates no second copy of the weights or moments.
+
+Mixed precision, as models are trained in bf16 / f16: an update may take a
+last operand, the weight's master copy in a wider float dtype (f32), and the
+optimizer state (Adam's moments) is in that dtype too. The update then runs
+on the master (the half-precision gradient read as it is) and writes the
+weight, in place in its own dtype, from the new master: per parameter the
+weight's 2 bytes plus 12 of f32 master and moments resident, as Megatron-LM
+and DeepSpeed keep them.
 """
 
 from __future__ import annotations
@@ -16,22 +24,55 @@ from distir_jax.ir.shape_rules import elementwise_features, require_same_dtype, 
 # SGD: w - lr * g.
 
 
+def _state_types(ins, op: str, what: str) -> tuple:
+    """Checks an update's operands (``what`` names them): the weight and gradient
+    share a dtype (Adam's a float one) and every operand the weight's shape; the rest (the
+    optimizer state, then a master copy if there is one) share a float dtype,
+    which may be wider than the weight's only with a master copy (mixed
+    precision). Returns the types of the rest."""
+    same_shape(ins, what)
+    if op == "Adam":  # (SGD's arithmetic is defined on any numbers)
+        require_float_dtype(ins[0], f"{op}'s weight")
+    require_same_dtype(ins[:2])
+    state = tuple(ins[2:])
+    if state:
+        require_same_dtype(state)
+        require_float_dtype(state[0], f"{op}'s state and master copy")
+    return state
+
+
 def _sgd_infer(attrs, ins):
-    w, g = ins
-    same_shape(ins, "SGD's weight and gradient")
-    require_same_dtype(ins)
+    if len(ins) not in (2, 3):
+        raise OpError(
+            f"SGD takes a weight, its gradient and optionally an f32 master copy, got {len(ins)} operands"
+        )
+    w = ins[0]
+    state = _state_types(ins, "SGD", "SGD's weight, gradient and master copy")
     float_attr(attrs, "lr", "SGD")
-    return (w,)
+    return (w,) + tuple(state)
+
+
+def _sgd_features(attrs, ins, outs):
+    # With a master copy the weight is only written (from the new master).
+    read = ins[1:] if len(ins) == 3 else ins
+    return elementwise_features(read, outs, 2.0 / len(outs))
+
+
+def _sgd_eval(attrs, inputs):
+    lr = float(attrs["lr"])
+    if len(inputs) == 3:
+        master = inputs[2] - lr * inputs[1]
+        return (master.astype(inputs[0].dtype), master)
+    return (inputs[0] - lr * inputs[1],)
 
 
 register(
     OpSpec(
-        "SGD",  # (w, g; lr) -> w - lr * g
+        "SGD",  # (w, g[, master]; lr) -> w - lr * g (master - lr * g, and w from it)
         _sgd_infer,
-        lambda attrs, ins, outs: elementwise_features(ins, outs, 2.0),
-        lambda attrs, inputs: (inputs[0] - float(attrs["lr"]) * inputs[1],),
-        num_inputs=2,
-        aliases=((0, 0),),
+        _sgd_features,
+        _sgd_eval,
+        aliases=((0, 0), (1, 2)),
     )
 )
 
@@ -60,40 +101,50 @@ def _adam_hyper(attrs):
 
 
 def _adam_infer(attrs, ins):
+    if len(ins) not in (4, 5):
+        raise OpError(
+            f"Adam takes w, g, m, v and optionally an f32 master copy of w, got {len(ins)} operands"
+        )
     w = ins[0]
-    same_shape(ins, "Adam's w, g, m and v")
-    require_float_dtype(w, "Adam's weight")
-    require_same_dtype(ins)
+    state = _state_types(ins, "Adam", "Adam's w, g, m, v and master copy")
+    if len(ins) == 4 and state[0].dtype != w.dtype:
+        raise OpError(
+            f"Adam's moments are {state[0].dtype} and its weight {w.dtype}: moments wider than the "
+            "weight need its master copy in their dtype (a fifth operand)"
+        )
     _adam_hyper(attrs)
-    return (w, w, w)
+    return (w,) + tuple(state)
 
 
 def _adam_features(attrs, ins, outs):
-    # elementwise_features counts flops per output element; Adam has three
-    # outputs per weight element, so count against the weight instead.
-    base = elementwise_features(ins, outs, 0.0)
+    # elementwise_features counts flops per output element; Adam has three or
+    # four outputs per weight element, so count against the weight instead.
+    # With a master copy the weight is only written (from the new master).
+    base = elementwise_features(ins[1:] if len(ins) == 5 else ins, outs, 0.0)
     return OpFeatures(flops=_ADAM_FLOPS_PER_ELEMENT * ins[0].num_elements, mem_bytes=base.mem_bytes)
 
 
 def _adam_eval(attrs, inputs):
     lr, beta1, beta2, eps, step = _adam_hyper(attrs)
-    w, g, m, v = inputs
+    w, g, m, v = inputs[:4]
     m_new = beta1 * m + (1.0 - beta1) * g
     v_new = beta2 * v + (1.0 - beta2) * g * g
     m_hat = m_new / (1.0 - beta1**step)
     v_hat = v_new / (1.0 - beta2**step)
-    w_new = w - lr * m_hat / (np.sqrt(v_hat) + eps)
-    return (w_new, m_new, v_new)
+    master = inputs[4] if len(inputs) == 5 else w
+    new = master - lr * m_hat / (np.sqrt(v_hat) + eps)
+    if len(inputs) == 5:
+        return (new.astype(w.dtype), m_new, v_new, new)
+    return (new, m_new, v_new)
 
 
 register(
     OpSpec(
-        "Adam",  # (w, g, m, v; lr, beta1, beta2, eps, step) -> (w', m', v')
+        "Adam",  # (w, g, m, v[, master]; lr, beta1, beta2, eps, step) -> (w', m', v'[, master'])
         _adam_infer,
         _adam_features,
         _adam_eval,
-        num_inputs=4,
-        # w' overwrites w, m' overwrites m, v' overwrites v.
-        aliases=((0, 0), (1, 2), (2, 3)),
+        # w' overwrites w, m' overwrites m, v' overwrites v, master' overwrites master.
+        aliases=((0, 0), (1, 2), (2, 3), (3, 4)),
     )
 )

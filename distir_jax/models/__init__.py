@@ -27,7 +27,9 @@ Annotation contract (what parallelism transforms may rely on; checked by
   ``l{i}.attn.wo`` ``[H, H]``, ``l{i}.ln2.gamma``, ``l{i}.ln2.beta``,
   ``l{i}.mlp.w1`` ``[H, F]``, ``l{i}.mlp.w2`` ``[F, H]``, and
   ``l{L+1}.lnf.gamma``, ``l{L+1}.lnf.beta``, ``l{L+1}.head.w`` ``[H, V]``
-  (untied). Then, for Adam, ``{weight}.m`` and ``{weight}.v`` per weight.
+  (untied). Then, for Adam, ``{weight}.m`` and ``{weight}.v`` per weight;
+  then, for a model in ``bf16`` or ``f16`` (mixed precision), the f32 master
+  copy ``{weight}.master`` per weight (Adam's moments are then f32 too).
 * **Gradients.** The gradient of weight ``W`` is produced by exactly one op
   with attr ``grad_of``: a str ``"W"`` when the op's (only) output is it, or a
   tuple of weight names for ops whose *last* outputs are those gradients, in
@@ -38,8 +40,9 @@ Annotation contract (what parallelism transforms may rely on; checked by
   ``ReduceSum`` over axis 0, ``l0.embed.tokens``'s an ``EmbeddingGrad``.
   There is no gradient for the data inputs.
 * **Optimizer.** One ``SGD`` or ``Adam`` op per weight, phase ``"opt"``, attr
-  ``weight="W"``, outputs ``{W}.new`` (and ``{W}.m.new``, ``{W}.v.new``),
-  aliasing their inputs (in place).
+  ``weight="W"``, outputs ``{W}.new`` (and ``{W}.m.new``, ``{W}.v.new``; with
+  mixed precision ``{W}.master.new`` last, the master copy being the update's
+  last operand), aliasing their inputs (in place).
 * **Losses.** ``MSELoss`` / ``SoftmaxCrossEntropy`` and their gradients carry
   ``shards=1``: a transform that splits the batch into ``k`` equal parts sets
   ``shards=k`` so that the parts' losses and gradients add up to the
@@ -61,7 +64,8 @@ Annotation contract (what parallelism transforms may rely on; checked by
   ``tp`` work on whole (replicated) tensors. ``wqkv``'s columns are ordered
   ``[N, 3, D]`` so that a contiguous column split splits whole heads.
 * **Outputs.** Training: ``loss``, then the updated weights in declaration
-  order, then (Adam) ``{W}.m.new`` and ``{W}.v.new`` per weight. Inference:
+  order, then (Adam) ``{W}.m.new`` and ``{W}.v.new`` per weight, then (mixed
+  precision) ``{W}.master.new`` per weight. Inference:
   ``logits`` ``[B, S, V]`` (transformer) or ``l{L}.h`` ``[B, H]`` (MLP).
 """
 

@@ -79,37 +79,47 @@ def weight_layer(weight: Value) -> int:
     return int(weight.name.split(".", 1)[0][1:])
 
 
+# Mixed precision: weights in these dtypes train with an f32 master copy and f32
+# optimizer state (Megatron-LM, DeepSpeed), which the updates read and write.
+HALF_DTYPES = ("bf16", "f16")
+MASTER_DTYPE = "f32"
+
+
 def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
     """Emits one update per weight (declaration order) from ``em.grads``; returns the new state.
 
     Adam's moments are declared here as function inputs ``{weight}.m`` and
-    ``{weight}.v`` (after all weights), so they count as resident memory.
+    ``{weight}.v`` (after all weights), so they count as resident memory. A
+    model in a half-precision dtype (``HALF_DTYPES``) trains in mixed
+    precision: each weight also has an f32 master copy ``{weight}.master``,
+    the moments are f32, and the update runs on the master and writes the
+    weight from it (see :mod:`distir_jax.ir.ops_optim`).
 
     Returns:
-      The updated weights, then (Adam) each weight's new ``m`` and ``v``.
+      The updated weights, then (Adam) each weight's new ``m`` and ``v``, then
+      (mixed precision) each weight's new ``master``.
     """
-    moments = {}
-    if optimizer == "adam":
-        for w in em.weights:
-            moments[w.name] = (
-                em.builder.input(f"{w.name}.m", w.type.shape, w.type.dtype),
-                em.builder.input(f"{w.name}.v", w.type.shape, w.type.dtype),
-            )
-    new_weights, new_moments = [], []
+    mixed = em.dtype in HALF_DTYPES
+    state = {}
+    for w in em.weights:
+        dtype = MASTER_DTYPE if mixed else w.type.dtype
+        names = (("m", "v") if optimizer == "adam" else ()) + (("master",) if mixed else ())
+        state[w.name] = [em.builder.input(f"{w.name}.{n}", w.type.shape, dtype) for n in names]
+    new_weights, new_moments, new_masters = [], [], []
     for w in em.weights:
         em.at(weight_layer(w), "opt")
         g = em.grads[w.name]
+        ins = state[w.name]
+        names = (f"{w.name}.new",) + tuple(f"{v.name}.new" for v in ins)
         if optimizer == "sgd":
-            new_weights.append(em.op("SGD", w, g, name=f"{w.name}.new", lr=lr, weight=w.name))
+            outs = em.op("SGD", w, g, *ins, name=names if ins else names[0], lr=lr, weight=w.name)
         else:
-            m, v = moments[w.name]
-            w_new, m_new, v_new = em.op(
+            outs = em.op(
                 "Adam",
                 w,
                 g,
-                m,
-                v,
-                name=(f"{w.name}.new", f"{m.name}.new", f"{v.name}.new"),
+                *ins,
+                name=names,
                 lr=lr,
                 beta1=ADAM_BETA1,
                 beta2=ADAM_BETA2,
@@ -117,6 +127,8 @@ def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
                 step=1,
                 weight=w.name,
             )
-            new_weights.append(w_new)
-            new_moments += [m_new, v_new]
-    return new_weights + new_moments
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        new_weights.append(outs[0])
+        new_moments += list(outs[1:3] if optimizer == "adam" else ())
+        new_masters += [outs[-1]] if mixed else []
+    return new_weights + new_moments + new_masters

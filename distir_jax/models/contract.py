@@ -16,13 +16,21 @@ PHASES = ("fwd", "bwd", "opt")
 TP_HINTS = ("col", "row", "heads", "sharded")
 
 _WEIGHT_RE = re.compile(r"^l(\d+)\.")
+# Inputs ``{weight}.{suffix}`` that belong to a weight's optimizer, not the model.
+_STATE_SUFFIXES = ("m", "v", "master")
 
 
 def weight_names(fn: Function) -> tuple[str, ...]:
-    """Weight inputs (``l{layer}.…``), in declaration order, without Adam moments."""
+    """Weight inputs (``l{layer}.…``), in declaration order, without Adam moments
+    and mixed precision's master copies."""
     names = [v.name for v in fn.inputs if _WEIGHT_RE.match(v.name)]
     present = set(names)
-    return tuple(n for n in names if not (n.endswith((".m", ".v")) and n[: -len(".m")] in present))
+
+    def optimizer_state(name: str) -> bool:
+        base, _, suffix = name.rpartition(".")
+        return suffix in _STATE_SUFFIXES and base in present
+
+    return tuple(n for n in names if not optimizer_state(n))
 
 
 def weight_layer(name: str) -> int:

@@ -35,9 +35,11 @@ other transforms already spread over several devices:
   views into the bucket, the cut-back copies cost memory traffic here.
 * **ZeRO-1** (``zero``). Gradients are reduce-scattered along axis 0, each
   replica updates its shard with its shard of the optimizer state (Adam's
-  ``m`` and ``v`` become per-replica inputs) and of the weight, a master
-  shard ``{w}.dp{r}.master`` (ZeRO partitions the master weights with the
-  optimizer state), then the updated shards are all-gathered. Collectives do
+  ``m`` and ``v``, and a mixed-precision update's f32 master copy, become
+  per-replica inputs) and of the weight, a shard ``{w}.dp{r}.master`` (ZeRO
+  partitions the master weights with the optimizer state; with mixed
+  precision this is the half-precision shard the update writes, next to the
+  f32 master's), then the updated weight shards are all-gathered. Collectives do
   not alias their operands, so the gathered weight is a new buffer: at the end
   of the step the weight is counted twice. A weight whose rows the degree
   does not divide is padded with zero rows to the next multiple, as ZeRO
