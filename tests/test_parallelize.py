@@ -1,5 +1,6 @@
 """ParallelConfig validation and the parallelize pipeline (tensor -> recompute -> pipeline -> data)."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -16,7 +17,14 @@ from distir_jax.transforms.parallelize import model_shape
 
 MLP = MLPConfig(num_layers=4, hidden=8, dtype="f64")
 GPT = TransformerConfig(num_layers=2, hidden=8, num_heads=2, vocab_size=12, seq_len=4, dtype="f64")
-CONFIGS = {"mlp": MLP, "gpt": GPT}
+# Mixed precision (bf16 weights, f32 master copies and moments): the same programs'
+# numbers in the sequential executor, which computes in float64 whatever the dtype.
+CONFIGS = {
+    "mlp": MLP,
+    "gpt": GPT,
+    "mlp-bf16": dataclasses.replace(MLP, dtype="bf16"),
+    "gpt-bf16": dataclasses.replace(GPT, dtype="bf16"),
+}
 BATCH = 8
 
 
@@ -212,17 +220,40 @@ HYBRIDS = {
 }
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "mlp-bf16", "gpt-bf16"])
 @pytest.mark.parametrize("hybrid", list(HYBRIDS))
 def test_hybrid_computes_the_original(hybrid, model):
     modules, config = HYBRIDS[hybrid]
     for module in modules:
         pytest.importorskip(f"distir_jax.transforms.{module}")
-    if model == "mlp" and config.sequence_parallel:
+    if model.startswith("mlp") and config.sequence_parallel:
         pytest.skip("sequence parallelism splits a sequence axis the MLP does not have")
     dist = parallelize(case(model)[0], config)
     assert dist.function.devices == tuple(range(config.world_size))
     assert_computes_the_original(dist, model)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_mixed_precision_keeps_f32_masters_and_moments_sharded_by_zero(optimizer):
+    """A bf16 model's update runs on an f32 master copy (and f32 moments): 2 + 4
+    (SGD) or 2 + 12 (Adam) bytes a parameter resident; ZeRO keeps a 1/d shard of
+    the f32 state; the result is the original's."""
+    pytest.importorskip("distir_jax.transforms.pipeline")
+    fn = case("gpt-bf16", optimizer)[0]
+    weights = {v.name: v.type for v in fn.inputs if v.name in models.weight_names(fn)}
+    params = sum(int(t.num_elements) for t in weights.values())
+    state = {v.name: v.type for v in fn.inputs if v.name.rsplit(".", 1)[0] in weights}
+    assert {t.dtype for t in weights.values()} == {"bf16"} and {t.dtype for t in state.values()} == {"f32"}
+    per_param = 2 + (12 if optimizer == "adam" else 4)
+    assert sum(int(t.num_bytes) for t in (*weights.values(), *state.values())) == per_param * params
+    f32_bytes = {}
+    for zero in (False, True):
+        config = ParallelConfig(data=2, tensor=2, pipeline=2, microbatches=2, zero=zero)
+        dist = parallelize(fn, config)
+        assert_computes_the_original(dist, "gpt-bf16", optimizer)
+        f32_bytes[zero] = sum(int(v.type.num_bytes) for v in dist.function.inputs if v.type.dtype == "f32")
+    # Two data-parallel replicas hold the f32 state twice; under ZeRO once, in halves.
+    assert f32_bytes[False] == 2 * f32_bytes[True] > 0
 
 
 def test_interleaved_hybrid_computes_the_original():

@@ -225,6 +225,28 @@ def test_a_long_pipeline_summarized_from_its_steady_program(steady_everywhere):
     _assert_summary_is_the_fine_programs(config)
 
 
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(data=2, pipeline=2, microbatches=4, zero=True, overlap_grad_comm=True, optimizer="adam"),
+        dict(
+            tensor=2, pipeline=2, microbatches=4, schedule="interleaved", virtual_stages=2, optimizer="adam"
+        ),
+        dict(data=4, zero=True, recompute="full", optimizer="sgd"),
+    ],
+    ids=["pipeline-zero-overlap", "tensor-interleaved", "zero-sgd"],
+)
+def test_mixed_precision_rows_are_the_fine_programs(knobs):
+    """A bf16 model trains with f32 master copies and moments; the fast engine's coarse
+    program, measured from the fine block, holds and moves them as the fine program does."""
+    import dataclasses
+
+    from search.single import make_config
+
+    config = make_config(dataclasses.replace(TINY_GPT, dtype="bf16"), batch_size=16, **knobs)
+    _assert_summary_is_the_fine_programs(config)
+
+
 def test_a_summary_the_fast_engine_cannot_give_is_the_exact_engines():
     from search.single import SingleResult, make_config, summarize_config
 
