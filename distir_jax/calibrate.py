@@ -200,6 +200,7 @@ def fit_factors(
         raise ValueError(f"temperature must be None or a number > 0, got {temperature!r}")
     for i, program in enumerate(programs):
         _check_program(program, f"calibrate: program {i}")
+    _require_topology(topology)
     fields = _checked_fields(topology, fields)
     start = _checked_start(fields, initial_scales)
     steps = (100 if optimizer is None else 500) if steps is None else steps
@@ -436,9 +437,11 @@ def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
 def named_fields(fields) -> tuple[str, ...]:
     """``fields`` (a name of :data:`CALIBRATABLE_FIELDS` or a sequence of them) as a
     tuple; a ValueError names what is unknown, repeated or missing."""
-    if not isinstance(fields, (str, Sequence)):
+    if not isinstance(fields, (str, Sequence)) or isinstance(fields, (bytes, bytearray)):
         raise ValueError(f"fields must be a field name or a sequence of them, got {fields!r}")
     fields = (fields,) if isinstance(fields, str) else tuple(fields)
+    # (Names as plain str: NumPy's string scalars would otherwise key the results.)
+    fields = tuple(str(f) if isinstance(f, str) else f for f in fields)
     unknown = [f for f in fields if f not in CALIBRATABLE_FIELDS]
     if unknown:
         raise ValueError(f"fields: unknown {unknown}; expected some of {list(CALIBRATABLE_FIELDS)}")
@@ -507,6 +510,7 @@ def step_times_on(programs: Sequence[Program], topology: Topology) -> np.ndarray
 def _hardware_of(program: Program, topology: Topology) -> Hardware:
     """The float64 hardware of ``topology``'s first devices, as many as ``program``
     (stacked) is lowered for."""
+    _require_topology(topology)
     devices = program.resident_bytes.shape[-1]
     if devices > topology.num_devices:
         raise ValueError(
@@ -514,6 +518,13 @@ def _hardware_of(program: Program, topology: Topology) -> Hardware:
             f"{topology.num_devices}; lower them for this topology"
         )
     return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), _first_devices(topology, devices))
+
+
+def _require_topology(topology) -> None:
+    """A TypeError naming what ``topology`` is, rather than an AttributeError from the
+    first field read off it."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology (get_preset, ...), got {type(topology).__name__}")
 
 
 def _first_devices(topology: Topology, count: int) -> Hardware:

@@ -65,9 +65,11 @@ def step_time_elasticities(
       tangent per field).
 
     Raises:
-      TypeError: when ``programs`` is not a sequence of lowered Programs.
+      TypeError: when ``programs`` is not a sequence of lowered Programs, or
+        ``topology`` not a Topology.
       ValueError: for no programs, an unknown or repeated field, a program
-        on more devices than ``topology`` has, or one that takes no time.
+        on more devices than ``topology`` has, or one (or one size variant)
+        that takes no time.
     """
     if isinstance(programs, Program) or not isinstance(programs, Sequence):
         raise TypeError(f"programs must be a sequence of lowered Programs, got {type(programs).__name__}")
@@ -91,6 +93,13 @@ def step_time_elasticities(
         )
     idle = np.flatnonzero(~np.isfinite(np.asarray(log_time)))
     if idle.size:
-        raise ValueError(f"program {idle[0]} simulates in 0 s (no op takes time): it has no elasticities")
+        # The rows are size variants, not programs: name the program the caller passed (and its variant).
+        rows = [
+            (i, f" (size variant {s})" if p.flops.ndim == 2 else "")
+            for i, p in enumerate(programs)
+            for s in range(p.flops.shape[0] if p.flops.ndim == 2 else 1)
+        ]
+        i, variant = rows[idle[0]]
+        raise ValueError(f"program {i}{variant} simulates in 0 s (no op takes time): it has no elasticities")
     jac = np.asarray(jac, np.float64)
     return {field: jac[:, i] for i, field in enumerate(fields)}

@@ -117,14 +117,10 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
       TypeError: when ``config`` is not a :class:`~search.space.Config`.
       ValueError: when the configuration is invalid (its reason), or ``engine`` is unknown.
     """
-    from search._fast import ENGINES, FastEngine, fast_unsupported
+    from search._fast import FastEngine, fast_unsupported
     from search.evaluate import evaluate
 
-    require_config("config", config)
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if not config.valid:
-        raise ValueError(f"invalid configuration: {config.reason}")
+    _require_valid(config, engine)
     prepared = None
     if engine == "fast" and not fast_unsupported(config):
         prepared = FastEngine([config]).prepare([config])  # None: no coarse program expresses it
@@ -164,13 +160,9 @@ def config_elasticities(config: Config, *, engine: str = "fast", fields=None) ->
         is unknown, or a field is not a hardware figure.
     """
     from distir_jax.sensitivity import step_time_elasticities
-    from search._fast import ENGINES, FastEngine, fast_unsupported
+    from search._fast import FastEngine, fast_unsupported
 
-    require_config("config", config)
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if not config.valid:
-        raise ValueError(f"invalid configuration: {config.reason}")
+    _require_valid(config, engine)
     program = None
     if engine == "fast" and not fast_unsupported(config):
         try:
@@ -181,6 +173,18 @@ def config_elasticities(config: Config, *, engine: str = "fast", fields=None) ->
         program = fine_program(config)
     found = step_time_elasticities([program], config.topology(), fields)
     return {field: float(values[0]) for field, values in found.items()}
+
+
+def _require_valid(config: Config, engine: str) -> None:
+    """Raises as :func:`summarize_config` says: a TypeError for what is not a
+    Config, a ValueError for an unknown engine or an invalid configuration."""
+    from search._fast import ENGINES
+
+    require_config("config", config)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not config.valid:
+        raise ValueError(f"invalid configuration: {config.reason}")
 
 
 def fine_program(config: Config):

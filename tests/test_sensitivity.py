@@ -1,5 +1,7 @@
 """Step-time elasticities: derivatives through the kernel, checked against the reference simulator."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -79,6 +81,29 @@ def test_bad_arguments_are_named():
     two = dj.lower(dj.calibration_probes()["large_send"], topology)
     with pytest.raises(ValueError, match="lowered for up to 2 devices"):
         dj.step_time_elasticities([two], dj.get_preset("dgx-a100-80gb:1"))
+    for topology_ in (None, "dgx-a100-80gb:2"):  # was an AttributeError from the hardware's assembly
+        with pytest.raises(TypeError, match="topology must be a Topology"):
+            dj.step_time_elasticities([program], topology_)
+        with pytest.raises(TypeError, match="topology must be a Topology"):
+            dj.calibrate([program], [1.0], topology_)
+    with pytest.raises(ValueError, match="a field name or a sequence of them"):
+        dj.step_time_elasticities([program], topology, fields=b"peak_flops")
+    (key,) = dj.step_time_elasticities([program], topology, fields=[np.str_("peak_flops")])
+    assert type(key) is str
+
+
+def test_a_program_that_takes_no_time_is_named_by_program_and_variant():
+    """Size variants are rows of the stacked batch: the error names the program the
+    caller passed (and its variant), not the row."""
+    topology = dataclasses.replace(dj.get_preset("dgx-a100-80gb:2"), launch_overhead=0.0)
+    b = dj.FunctionBuilder("sizes")
+    relu = b.add("Relu", b.input("x", (np.array([64, 0]), 64)))  # no bytes at all at 0 rows
+    sizes = dj.lower(b.build(relu), topology)
+    matmul = dj.lower(dj.calibration_probes()["matmul"], topology)
+    with pytest.raises(ValueError, match=r"program 0 \(size variant 1\) simulates in 0 s"):
+        dj.step_time_elasticities([sizes, matmul], topology)
+    with pytest.raises(ValueError, match=r"program 1 \(size variant 1\) simulates in 0 s"):
+        dj.step_time_elasticities([matmul, sizes], topology)
 
 
 def test_configurations_coarse_programs_have_the_fine_programs_elasticities():
@@ -124,3 +149,14 @@ def test_simulate_prints_the_sensitivity(capsys):
     assert [row[0] for row in rows] == list(CALIBRATABLE_FIELDS)
     values = {row[0]: float(row[1].rstrip("%")) for row in rows}
     assert _budget(values) == pytest.approx(-1.0, abs=1e-3)  # printed to 4 decimals
+    assert all(not row[2].startswith("-") for row in rows)  # shares are sizes
+
+
+def test_a_figure_the_step_does_not_depend_on_has_no_negative_share(capsys):
+    """A speed's elasticity is +0.0 where the step does not depend on it (a
+    memory-bound MLP's peak FLOP/s): its share prints as 0.0%, not -0.0%."""
+    from distir_jax.cli import _print_sensitivity
+
+    _print_sensitivity({"peak_flops": 0.0, "memory_bandwidth": -1.0, "launch_overhead": 0.0})
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[2] for row in rows] == ["0.0%", "100.0%", "0.0%"]
