@@ -21,15 +21,15 @@ from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, register
 from distir_jax.ir.shape_rules import elementwise_features, require_same_dtype, same_shape
 
 # --------------------------------------------------------------------------- #
-# SGD: w - lr * g.
+# Operands shared by the updates: (w, g, state..., [master]).
 
 
 def _state_types(ins, op: str, what: str) -> tuple:
     """Checks an update's operands (``what`` names them): the weight and gradient
-    share a dtype (Adam's a float one) and every operand the weight's shape; the rest (the
-    optimizer state, then a master copy if there is one) share a float dtype,
-    which may be wider than the weight's only with a master copy (mixed
-    precision). Returns the types of the rest."""
+    share a dtype (Adam's a float one) and every operand the weight's shape;
+    the rest (the optimizer state, then a master copy if there is one) share
+    a float dtype, which may be wider than the weight's only with a master
+    copy (mixed precision). Returns the types of the rest."""
     same_shape(ins, what)
     if op == "Adam":  # (SGD's arithmetic is defined on any numbers)
         require_float_dtype(ins[0], f"{op}'s weight")
@@ -39,6 +39,10 @@ def _state_types(ins, op: str, what: str) -> tuple:
         require_same_dtype(state)
         require_float_dtype(state[0], f"{op}'s state and master copy")
     return state
+
+
+# --------------------------------------------------------------------------- #
+# SGD: w - lr * g.
 
 
 def _sgd_infer(attrs, ins):
