@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 import distir_jax as dj
-from distir_jax.models import TransformerConfig
+from distir_jax.testing.strategies import GPT3_175B_COMMON, GPT3_175B_RUNS, SMALL_TRAINING_RUNS, TINY_GPT
 from search import calibrate_configs, make_config, simulate_config
 
 TRUTH = dict(peak_flops=0.55, memory_bandwidth=0.8, link_bandwidth=0.4, link_latency=3.0, launch_overhead=2.0)
@@ -84,15 +84,8 @@ def main() -> None:
         fit = dj.calibrate(programs, measured, base, optimizer=optimizer, steps=steps)
         _report(name, fit, time.perf_counter() - start)
 
-    model = TransformerConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=512, seq_len=64)
-    model = model if args.quick else "gpt2-small"
-    knobs = [
-        dict(batch_size=8, data=2, optimizer="adam"),
-        dict(batch_size=8, tensor=2),
-        dict(batch_size=8, pipeline=2, microbatches=4),
-        dict(batch_size=16, data=2, tensor=2, pipeline=2, microbatches=2, overlap_grad_comm=True),
-        dict(batch_size=1),
-    ]
+    model = TINY_GPT if args.quick else "gpt2-small"
+    knobs = list(SMALL_TRAINING_RUNS)
     start = time.perf_counter()
     strategies = [(model, k) for k in knobs] + [("mlp-xs", dict(batch_size=64, data=4))]
     on_lab = [make_config(m, hardware="lab", **k) for m, k in strategies]
@@ -149,24 +142,7 @@ def _gpt3(build_fine: bool) -> None:
     from search._transform import build_function
 
     fields = ("peak_flops", "memory_bandwidth", "link_bandwidth")
-    common = dict(world_size=64, batch_size=1024, dtype="bf16", optimizer="adam")
-    knobs = [
-        dict(tensor=8, pipeline=8, microbatches=128, recompute="full"),
-        dict(
-            data=2, tensor=8, pipeline=4, microbatches=64, recompute="full", zero=True, overlap_grad_comm=True
-        ),
-        dict(
-            tensor=8,
-            pipeline=8,
-            microbatches=64,
-            schedule="interleaved",
-            virtual_stages=3,
-            recompute="attention",
-        ),
-        dict(data=4, tensor=4, pipeline=4, microbatches=32, recompute="full"),
-        dict(tensor=16, pipeline=4, microbatches=16),
-        dict(tensor=32, pipeline=2, microbatches=8, recompute="attention"),
-    ]
+    common, knobs = GPT3_175B_COMMON, GPT3_175B_RUNS
     # A lab whose other two figures are right: three fitted factors can meet it exactly.
     dj.register_calibrated_preset("lab-3", NOMINAL, {f: TRUTH[f] for f in fields})
     on_lab = [make_config("gpt3-175b", hardware="lab-3", **common, **k) for k in knobs]

@@ -190,16 +190,11 @@ def fit_factors(
     """:func:`calibrate` (its arguments in order); ``escape=False`` leaves a fit
     stalled at a kink where it stopped (a caller that refits anyway saves the
     smoothed fit: see :func:`search.calibration.calibrate_configs`)."""
-    if isinstance(programs, Program) or not isinstance(programs, Sequence):
-        raise TypeError(f"programs must be a sequence of lowered Programs, got {type(programs).__name__}")
-    if not programs:
-        raise ValueError("calibrate needs at least one program")
+    checked_programs(programs, "calibrate")
     if temperature is not None and (
         isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number))
     ):
         raise ValueError(f"temperature must be None or a number > 0, got {temperature!r}")
-    for i, program in enumerate(programs):
-        _check_program(program, f"calibrate: program {i}")
     _require_topology(topology)
     fields = _checked_fields(topology, fields)
     start = _checked_start(fields, initial_scales)
@@ -271,6 +266,17 @@ def fit_factors(
         predicted=predicted,
         losses=losses,
     )
+
+
+def checked_programs(programs, caller: str) -> None:
+    """Raises unless ``programs`` is a non-empty sequence of lowered Programs (what
+    ``caller`` takes), naming the first that is not one."""
+    if isinstance(programs, Program) or not isinstance(programs, Sequence):
+        raise TypeError(f"programs must be a sequence of lowered Programs, got {type(programs).__name__}")
+    if not programs:
+        raise ValueError(f"{caller} needs at least one program")
+    for i, program in enumerate(programs):
+        _check_program(program, f"{caller}: program {i}")
 
 
 def _residual(theta, program: Program, base: Hardware, target, fields: tuple, temperature):

@@ -114,9 +114,9 @@ def _scatter(table, idx, values, add=False):
     x = table.shape[0]
     # Slot k of a missing row goes to x + k: past the end, and apart from the others.
     slot = jnp.arange(idx.shape[0], dtype=idx.dtype).reshape((-1,) + (1,) * (idx.ndim - 1))
+    kwargs = dict(mode="drop", unique_indices=True)
     if idx.ndim == 1:
         ref = table.at[jnp.where(idx < x, idx, x + slot)]
-        kwargs = dict(mode="drop", unique_indices=True)
         return ref.add(values, **kwargs) if add else ref.set(values, **kwargs)
     # One flat scatter (see _gather); rows past the end stay past the end.
     b = table.shape[1]
@@ -124,7 +124,6 @@ def _scatter(table, idx, values, add=False):
     flat = (jnp.where(idx < x, idx, x + slot) * b + column).reshape(-1)
     values = jnp.broadcast_to(values, idx.shape).reshape(-1)
     ref = table.reshape(-1).at[flat]
-    kwargs = dict(mode="drop", unique_indices=True)
     return (ref.add(values, **kwargs) if add else ref.set(values, **kwargs)).reshape(x, b)
 
 

@@ -34,9 +34,15 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from distir_jax.calibrate import CALIBRATABLE_FIELDS, _hardware_of, _linearized, named_fields
+from distir_jax.calibrate import (
+    CALIBRATABLE_FIELDS,
+    _hardware_of,
+    _linearized,
+    checked_programs,
+    named_fields,
+)
 from distir_jax.ir.topology import Topology
-from distir_jax.lower import Program, _check_program, stack_programs
+from distir_jax.lower import Program, stack_programs
 
 __all__ = ["SPEED_FIELDS", "TIME_FIELDS", "step_time_elasticities"]
 
@@ -71,12 +77,7 @@ def step_time_elasticities(
         on more devices than ``topology`` has, or one (or one size variant)
         that takes no time.
     """
-    if isinstance(programs, Program) or not isinstance(programs, Sequence):
-        raise TypeError(f"programs must be a sequence of lowered Programs, got {type(programs).__name__}")
-    if not programs:
-        raise ValueError("step_time_elasticities needs at least one program")
-    for i, program in enumerate(programs):
-        _check_program(program, f"step_time_elasticities: program {i}")
+    checked_programs(programs, "step_time_elasticities")
     fields = CALIBRATABLE_FIELDS if fields is None else named_fields(fields)
     program = stack_programs(programs)
     base = _hardware_of(program, topology)

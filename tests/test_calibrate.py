@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import distir_jax as dj
+from distir_jax.testing.strategies import GPT3_175B_COMMON, GPT3_175B_RUNS, SMALL_TRAINING_RUNS, TINY_GPT
 
 # dj.calibration_probes(): programs that each lean on one field (compute, memory,
 # link bandwidth, link latency, kernel launches) and a mix of them on two devices.
@@ -228,17 +229,10 @@ def test_single_server_calibrated_preset_has_one_node(registry):
 
 @pytest.mark.parametrize("engine", ["fast", "exact"])
 def test_calibrate_configs_from_measured_training_steps(registry, engine):
-    from distir_jax.models import TransformerConfig
     from search import calibrate_configs, make_config, simulate_config
 
-    tiny = TransformerConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=512, seq_len=64)
-    knobs = [
-        dict(model=tiny, batch_size=8, data=2, optimizer="adam"),
-        dict(model=tiny, batch_size=8, tensor=2),
-        dict(model=tiny, batch_size=8, pipeline=2, microbatches=4),
-        dict(model=tiny, batch_size=16, data=2, tensor=2, pipeline=2, microbatches=2, overlap_grad_comm=True),
-        dict(model="mlp-xs", batch_size=64, data=4),
-        dict(model=tiny, batch_size=1),
+    knobs = [dict(model=TINY_GPT, **k) for k in SMALL_TRAINING_RUNS] + [
+        dict(model="mlp-xs", batch_size=64, data=4)
     ]
     dj.register_calibrated_preset("a100-truth", "dgx-a100-80gb", TRUTH)
     # "Measured": the exact engine's step times of the same strategies on the true hardware.
@@ -254,25 +248,17 @@ def test_coarse_calibration_predicts_the_fine_programs_step_times(registry):
     whatever round the coarse fit stops at, its predicted step times are the fine
     programs' own on its figures."""
     from distir_jax.calibrate import step_times_on
-    from distir_jax.models import TransformerConfig
     from search import calibrate_configs, make_config, simulate_config
     from search.single import fine_program
 
-    tiny = TransformerConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=512, seq_len=64)
-    knobs = [
-        dict(batch_size=8, data=2, optimizer="adam"),
-        dict(batch_size=8, tensor=2),
-        dict(batch_size=8, pipeline=2, microbatches=4),
-        dict(batch_size=16, data=2, tensor=2, pipeline=2, microbatches=2, overlap_grad_comm=True),
-        dict(batch_size=1),
-        dict(batch_size=32, tensor=4, recompute="full"),
-    ]
+    knobs = [*SMALL_TRAINING_RUNS, dict(batch_size=32, tensor=4, recompute="full")]
     dj.register_calibrated_preset("a100-noisy-truth", "dgx-a100-80gb", TRUTH)
     exact = [
-        simulate_config(make_config(tiny, hardware="a100-noisy-truth", **k)).row["step_time_s"] for k in knobs
+        simulate_config(make_config(TINY_GPT, hardware="a100-noisy-truth", **k)).row["step_time_s"]
+        for k in knobs
     ]
     measured = np.asarray(exact) * (1 + np.array([0.05, -0.03, 0.02, -0.05, 0.04, -0.01]))
-    configs = [make_config(tiny, **k) for k in knobs]
+    configs = [make_config(TINY_GPT, **k) for k in knobs]
     fit = calibrate_configs(configs, measured)
     fine = step_times_on([fine_program(c) for c in configs], fit.topology)
     np.testing.assert_allclose(fit.predicted, fine, rtol=1e-9)
@@ -290,24 +276,7 @@ def test_coarse_calibration_of_gpt3_runs_refits_until_exact(registry):
 
     truth = dict(peak_flops=0.55, memory_bandwidth=0.8, link_bandwidth=0.4)
     dj.register_calibrated_preset("a100-gpt3-truth", "dgx-a100-80gb", truth)
-    common = dict(world_size=64, batch_size=1024, dtype="bf16", optimizer="adam")
-    knobs = [
-        dict(tensor=8, pipeline=8, microbatches=128, recompute="full"),
-        dict(
-            data=2, tensor=8, pipeline=4, microbatches=64, recompute="full", zero=True, overlap_grad_comm=True
-        ),
-        dict(
-            tensor=8,
-            pipeline=8,
-            microbatches=64,
-            schedule="interleaved",
-            virtual_stages=3,
-            recompute="attention",
-        ),
-        dict(data=4, tensor=4, pipeline=4, microbatches=32, recompute="full"),
-        dict(tensor=16, pipeline=4, microbatches=16),
-        dict(tensor=32, pipeline=2, microbatches=8, recompute="attention"),
-    ]
+    common, knobs = GPT3_175B_COMMON, GPT3_175B_RUNS
     # "Measured": a sweep's rows on the true hardware (the sweep's fast engine equals
     # the exact engine to ~1e-9, tests/test_search_fast.py).
     truth_rows = evaluate(
