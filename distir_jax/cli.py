@@ -142,8 +142,16 @@ def _preset(text: str) -> str:
     return text
 
 
+_PRECISION_HELP = (
+    "mixed (f32 master weights and optimizer state, gradients summed and all-reduced in f32: "
+    "Megatron-LM's bf16), mixed-half-grads (the same with gradients in the model dtype), half (no "
+    "master copy; optimizer state and gradients in the model dtype); f32 models train in full precision"
+)
+
+
 def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
     from distir_jax.models import model_names
+    from distir_jax.models.config import HALF_PRECISIONS
     from distir_jax.presets import preset_names
     from search.space import HARDWARE_DTYPE, OPTIMIZERS
 
@@ -175,6 +183,13 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
             help=f"model dtype(s): {', '.join(dtypes)}; sets the hardware's peak FLOP/s (default: bf16)",
         )
         p.add_argument(
+            "--training-precision",
+            type=_some_of(HALF_PRECISIONS),
+            metavar="NAME,...",
+            default=None,
+            help=f"how bf16 / f16 models train: {_PRECISION_HELP} (default: mixed)",
+        )
+        p.add_argument(
             "--optimizer",
             type=_names,
             metavar="NAME,...",
@@ -195,6 +210,12 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
             type=_one_of(dtypes),
             default="bf16",
             help=f"model dtype: {', '.join(dtypes)} (default: bf16)",
+        )
+        p.add_argument(
+            "--training-precision",
+            type=_one_of(HALF_PRECISIONS),
+            default=None,
+            help=f"how a bf16 / f16 model trains: {_PRECISION_HELP} (default: mixed)",
         )
         p.add_argument(
             "--optimizer",
@@ -585,6 +606,7 @@ def _add_presets_option(p: argparse.ArgumentParser) -> None:
 
 
 def _sweep(args) -> int:
+    from distir_jax.models.config import HALF_DTYPES
     from search import StrategySpace, enumerate_configs, evaluate, factorisations
 
     if args.microbatches is not None and args.microbatch_sizes is not None:
@@ -609,6 +631,7 @@ def _sweep(args) -> int:
         sequence_parallel=_CHOICE[args.sequence_parallel],
         overlap_grad_comm=_CHOICE[args.overlap],
         dtype=args.dtype,
+        training_precision=args.training_precision,
         hardware=args.hardware,
         optimizer=args.optimizer,
     )
@@ -620,6 +643,11 @@ def _sweep(args) -> int:
         raise ValueError(
             f"--sequence-parallel {args.sequence_parallel} needs tensor parallelism, and no "
             "configuration of this sweep has a tensor degree > 1: allow one with --tensor"
+        )
+    if args.training_precision is not None and not set(args.dtype) & set(HALF_DTYPES):
+        raise ValueError(  # every row would train in full precision, silently
+            f"--training-precision chooses how bf16 / f16 models train, and this sweep's --dtype "
+            f"{','.join(args.dtype)} has neither: add bf16 or f16, or give no --training-precision"
         )
     _check_output(args.output, "--output")
     part, parts = _sweep_part(args)
@@ -931,12 +959,14 @@ def simulate_command(row: dict, trace: str = "best.json", preset_files: dict | N
     ``preset_files``: the calibration file of each calibrated preset (by name),
     for ``--presets``."""
     from distir_jax.models import get_model_config, model_names
+    from distir_jax.models.config import precisions_for
 
     if row["model"] not in model_names():
         return None
     defaults = vars(build_parser().parse_args(["simulate"]))
     defaults["world_size"] = row["data"] * row["tensor"] * row["pipeline"]
     defaults["seq_len"] = getattr(get_model_config(row["model"]), "seq_len", 0)
+    defaults["training_precision"] = precisions_for(row["dtype"])[0]  # what no option gives
     words = ["distir-jax", "simulate"]
     calibrated = (preset_files or {}).get(row["hardware"].partition(":")[0])
     words += ["--presets", calibrated] if calibrated else []
@@ -969,6 +999,7 @@ _SIMULATE_KNOBS = (
     ("sequence_parallel", "sequence_parallel"),
     ("overlap_grad_comm", "overlap_grad_comm"),
     ("dtype", "dtype"),
+    ("training_precision", "training_precision"),
     ("optimizer", "optimizer"),
 )
 
@@ -993,6 +1024,7 @@ def _print_why_none_fits(table, limit: float | None, under: str) -> None:
 
 
 def _simulate(args) -> int:
+    from distir_jax.models.config import HALF_DTYPES
     from search._fast import fast_unsupported
     from search.single import (
         SingleResult,
@@ -1013,6 +1045,11 @@ def _simulate(args) -> int:
     for flag, on in (("--zero", args.zero), ("--overlap-grad-comm", args.overlap_grad_comm)):
         if on and args.data == 1:
             raise ValueError(f"{flag} acts on the gradients of data-parallel replicas: give --data > 1")
+    if args.training_precision is not None and args.dtype not in HALF_DTYPES:
+        raise ValueError(
+            f"--training-precision chooses how a bf16 / f16 model trains; an {args.dtype} model trains "
+            "in full precision: give --dtype bf16 or f16, or no --training-precision"
+        )
 
     config = make_config(args.model, **{name: getattr(args, name) for name, _ in _SIMULATE_KNOBS[1:]})
     if args.trace:  # before a simulation that may take minutes
@@ -1027,7 +1064,7 @@ def _simulate(args) -> int:
         f"tensor {config.tensor} x pipeline {config.pipeline}, {config.microbatches} microbatch(es), "
         f"{config.schedule}, recompute {config.recompute}"
         + "".join(f", {name}" for on, name in switches if on)
-        + f", {config.dtype}, {config.optimizer}"
+        + f", {config.dtype} ({config.training_precision} precision), {config.optimizer}"
     )
     if not config.valid:
         print(f"status: invalid ({config.reason})")

@@ -48,7 +48,9 @@ _MAX_ROUNDS = 5
 # The measurements file's column of measured seconds per step; its other
 # columns are a results table's knob columns (a sweep's rows, measured).
 MEASURED_COLUMN = "measured_step_time_s"
-# Knobs a row must give; microbatch_size follows from the others.
+# Knobs a row must give; microbatch_size follows from the others. A row may
+# leave out training_precision (files from before that knob): its dtype's default.
+_OPTIONAL_KNOBS = ("training_precision",)
 _ROW_KNOBS = tuple(k for k in Config.KNOBS if k != "microbatch_size")
 
 __all__ = ["MEASURED_COLUMN", "calibrate_configs", "read_measurements"]
@@ -191,7 +193,8 @@ def read_measurements(path: str | os.PathLike) -> tuple[list[Config], np.ndarray
     ``hardware``, ``world_size``, ``global_batch_size``, ``seq_len``, ``data``,
     ``tensor``, ``pipeline``, ``microbatches``, ``schedule``,
     ``virtual_stages``, ``recompute``, ``zero``, ``sequence_parallel``,
-    ``overlap_grad_comm``, ``dtype``, ``optimizer``) and
+    ``overlap_grad_comm``, ``dtype``, ``optimizer``; optionally
+    ``training_precision``, by default the dtype's) and
     :data:`MEASURED_COLUMN`: a sweep's results file, cut to the strategies that
     were run and given that column, is one. Other columns are ignored.
 
@@ -214,13 +217,15 @@ def read_measurements(path: str | os.PathLike) -> tuple[list[Config], np.ndarray
         raise ValueError(
             f"measurements file {where!r} is not UTF-8 text: {err.reason} at byte {err.start}"
         ) from None
-    missing = [c for c in (*_ROW_KNOBS, MEASURED_COLUMN) if c not in header]
+    required = [c for c in (*_ROW_KNOBS, MEASURED_COLUMN) if c not in _OPTIONAL_KNOBS]
+    missing = [c for c in required if c not in header]
     if not rows or missing:
-        raise ValueError(f"{where}: expected a header with columns {missing or list(_ROW_KNOBS)} and rows")
+        raise ValueError(f"{where}: expected a header with columns {missing or required} and rows")
+    given = [c for c in (*_ROW_KNOBS, MEASURED_COLUMN) if c in header]
     configs, measured = [], []
     for number, row in enumerate(rows, start=2):  # line numbers, after the header
-        knobs = {}
-        for name in (*_ROW_KNOBS, MEASURED_COLUMN):
+        knobs = dict.fromkeys(_OPTIONAL_KNOBS)
+        for name in given:
             kind = float if name == MEASURED_COLUMN else COLUMNS[name]
             try:
                 knobs[name] = _parse((row[name] or "").strip(), kind)

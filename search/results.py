@@ -60,6 +60,7 @@ _KNOB_TYPES = {
     "sequence_parallel": bool,
     "overlap_grad_comm": bool,
     "dtype": str,
+    "training_precision": str,
     "optimizer": str,
 }
 # Column name -> Python type, in table order.
@@ -349,7 +350,13 @@ class ResultTable:
             reader = csv.reader(f)
             header = next(reader, None)
             if header is None or [h for h in header if h in COLUMNS] != list(COLUMNS):
-                raise ValueError(f"{path}: not a results table (expected columns {list(COLUMNS)})")
+                missing = [c for c in COLUMNS if c not in (header or ())]
+                older = " (written by an older distir-jax? sweep again without resuming it)" if header else ""
+                raise ValueError(
+                    f"{path}: not a results table (expected columns {list(COLUMNS)}"
+                    + (f"; missing {missing}" if header and missing else "")
+                    + f"){older}"
+                )
             where = [(name, header.index(name), COLUMNS[name]) for name in names]
             values = {name: [] for name in names}
             for number, line in enumerate(reader, start=2):
@@ -424,7 +431,7 @@ DISPLAY_COLUMNS = (
     "bubble_time_s",
 )
 # Knobs :meth:`ResultTable.format` shows only where they vary (most sweeps fix them).
-VARYING_COLUMNS = ("model", "hardware", "dtype", "optimizer", "sequence_parallel")
+VARYING_COLUMNS = ("model", "hardware", "dtype", "training_precision", "optimizer", "sequence_parallel")
 DISPLAY_NAMES = {
     "microbatches": "mb",
     "global_batch_size": "batch",

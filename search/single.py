@@ -376,6 +376,7 @@ def make_config(
     sequence_parallel: bool = False,
     overlap_grad_comm: bool = False,
     dtype: str | None = None,
+    training_precision: str | None = None,
     optimizer: str = "sgd",
 ) -> Config:
     """One :class:`Config` from explicit knobs (invalid ones carry their reason).
@@ -420,8 +421,8 @@ def make_config(
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-    for name, value in (("hardware", hardware), ("dtype", dtype)):
-        if not (isinstance(value, str) or (name == "dtype" and value is None)):
+    for name, value in (("hardware", hardware), ("dtype", dtype), ("training_precision", training_precision)):
+        if not (isinstance(value, str) or (name != "hardware" and value is None)):
             allowed = (
                 "a preset name (distir_jax.presets.preset_names)" if name == "hardware" else "None or a str"
             )
@@ -461,6 +462,7 @@ def make_config(
         sequence_parallel=(sequence_parallel,),
         overlap_grad_comm=(overlap_grad_comm,),
         dtype=dtype,
+        training_precision=training_precision,
         hardware=(hardware,),
         optimizer=(optimizer,),
     )

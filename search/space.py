@@ -23,6 +23,8 @@ Conventions, chosen so that no two rows describe the same run:
   ``"1f1b"``). ``virtual_stages`` only applies to ``"interleaved"``; other
   schedules get 1. ``zero`` and ``overlap_grad_comm`` need ``data > 1`` and
   ``sequence_parallel`` needs ``tensor > 1``; otherwise they are False.
+  ``training_precision`` applies to bf16 / f16 models; f32 / f64 models train in
+  ``"full"`` precision whatever it lists.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Union
 
 from distir_jax.models import MLPConfig, TransformerConfig, get_model_config
+from distir_jax.models.config import HALF_DTYPES, PRECISIONS, precisions_for
 from distir_jax.presets import get_preset, preset_names
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -111,7 +114,7 @@ class StrategySpace:
 
     None is a value only where it is documented below (``seq_len``, ``data``,
     ``tensor``, ``pipeline``, ``microbatches``, ``microbatch_sizes``,
-    ``dtype``); elsewhere, and for an empty sequence, the space raises a
+    ``dtype``, ``training_precision``); elsewhere, and for an empty sequence, the space raises a
     ``ValueError`` naming the knob.
 
     Attributes:
@@ -134,6 +137,10 @@ class StrategySpace:
       overlap_grad_comm: overlap gradient all-reduces with the backward pass.
       dtype: model dtypes (None: each preset's own); the hardware's peak
         FLOP/s follow the dtype.
+      training_precision: how bf16 / f16 models train, some of
+        ``distir_jax.models.config.PRECISIONS`` (None: each model's own, by
+        default ``"mixed"``: f32 master weights, optimizer state and gradient
+        sums); f32 / f64 models train in ``"full"`` precision.
       hardware: hardware preset names without a count (see
         ``distir_jax.presets.preset_names``); ``"<preset>:<N>"`` is built per
         world size (a count is at most :data:`MAX_WORLD_SIZE`).
@@ -157,6 +164,7 @@ class StrategySpace:
     sequence_parallel: Any = (False,)
     overlap_grad_comm: Any = (False,)
     dtype: Any = None
+    training_precision: Any = None
     hardware: Any = ("dgx-a100-80gb",)
     optimizer: Any = ("sgd",)
 
@@ -200,6 +208,12 @@ class StrategySpace:
         # None: each model's own dtype (normalized to (None,), which `replace` sees again).
         keep_dtype = self.dtype is None or self.dtype == (None,)
         set_("dtype", (None,) if keep_dtype else _as_tuple("dtype", self.dtype, str))
+        keep_precision = self.training_precision is None or self.training_precision == (None,)
+        if keep_precision:
+            set_("training_precision", (None,))
+        else:
+            precision = _as_tuple("training_precision", self.training_precision, str)
+            set_("training_precision", _one_of("training_precision", precision, PRECISIONS))
         set_("hardware", _as_tuple("hardware", self.hardware, str))
         for m in self.model:  # fail early on an unknown preset name
             if isinstance(m, str):
@@ -268,6 +282,7 @@ class Config:
     sequence_parallel: bool
     overlap_grad_comm: bool
     dtype: str
+    training_precision: str
     optimizer: str
     reason: str = ""
     model_config: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -291,6 +306,7 @@ class Config:
         "sequence_parallel",
         "overlap_grad_comm",
         "dtype",
+        "training_precision",
         "optimizer",
     )
     # Knobs that do not change a program's structure: the global batch size
@@ -354,12 +370,19 @@ def model_label(model: ModelSpec) -> str:
     return f"{type(model).__name__}({fields})"
 
 
-def resolve_model(model: ModelSpec, dtype: str | None, seq_len: int | None):
-    """The model config with ``dtype`` and (transformers) ``seq_len`` applied."""
+def resolve_model(model: ModelSpec, dtype: str | None, seq_len: int | None, precision: str | None = None):
+    """The model config with ``dtype``, training ``precision`` (bf16 / f16 models; others
+    train in full precision) and (transformers) ``seq_len`` applied."""
     config = get_model_config(model) if isinstance(model, str) else model
     changes = {}
     if dtype is not None and dtype != config.dtype:
         changes["dtype"] = dtype
+    if (dtype or config.dtype) not in HALF_DTYPES:
+        precision = None  # full precision: a half-precision model's choice does not carry over
+    else:  # spelled out, so that rows made by hand resolve to the same config
+        precision = precision or config.training_precision or precisions_for(dtype or config.dtype)[0]
+    if precision != config.training_precision:
+        changes["training_precision"] = precision
     if seq_len is not None and isinstance(config, TransformerConfig) and seq_len != config.seq_len:
         changes["seq_len"] = seq_len
     return dataclasses.replace(config, **changes) if changes else config
@@ -418,7 +441,7 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
 
     Order: model, hardware, world size, global batch, (data, tensor, pipeline)
     in factorisation order, microbatches, schedule, virtual stages, recompute,
-    zero, sequence parallel, overlap, dtype, optimizer. Configurations that
+    zero, sequence parallel, overlap, dtype, training precision, optimizer. Configurations that
     the conventions of this module make identical appear once.
     """
     seen: set[tuple] = set()
@@ -427,15 +450,18 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
     ):
         label = model_label(model)
         for d, t, p in factorisations(world_size, space.data, space.tensor, space.pipeline):
-            for (m, size, batch_reason), dtype in itertools.product(
-                _microbatch_choices(space, batch, d, p), space.dtype
+            for (m, size, batch_reason), dtype, precision in itertools.product(
+                _microbatch_choices(space, batch, d, p), space.dtype, space.training_precision
             ):
                 try:
-                    model_config = resolve_model(model, dtype, space.seq_len)
+                    model_config = resolve_model(model, dtype, space.seq_len, precision)
                     model_reason = ""
                 except ValueError as err:
                     model_config, model_reason = None, _one_line(err)
-                resolved_dtype = model_config.dtype if model_config is not None else str(dtype)
+                if model_config is not None:
+                    resolved_dtype, resolved_precision = model_config.dtype, model_config.resolved_precision
+                else:
+                    resolved_dtype, resolved_precision = str(dtype), str(precision)
                 seq = model_config.seq_len if isinstance(model_config, TransformerConfig) else 0
                 for schedule, v, recompute, zero, sp, overlap, optimizer in itertools.product(
                     space.schedules,
@@ -458,7 +484,8 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
                     # combinations equal, and a tuple is checked long before a Config is built.
                     knobs = (
                         label, hardware, world_size, batch, seq, d, t, p, m, size,
-                        schedule, v, recompute, zero, sp, overlap, resolved_dtype, optimizer,
+                        schedule, v, recompute, zero, sp, overlap, resolved_dtype, resolved_precision,
+                        optimizer,
                     )  # fmt: skip
                     if knobs in seen:
                         continue
@@ -523,6 +550,7 @@ def as_configs(space_or_configs: StrategySpace | Sequence[Config]) -> list[Confi
         # A row made by hand: resolve its preset name. (An invalid row is never built,
         # and one of a dtype the model does not take has no model to resolve.)
         if c.model_config is None and c.valid:
-            c = dataclasses.replace(c, model_config=resolve_model(c.model, c.dtype, c.seq_len or None))
+            model_config = resolve_model(c.model, c.dtype, c.seq_len or None, c.training_precision)
+            c = dataclasses.replace(c, model_config=model_config)
         configs.append(c)
     return configs

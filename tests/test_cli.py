@@ -510,6 +510,13 @@ def test_sweep_prints_the_command_that_simulates_its_best_row(tmp_path, capsys):
     assert trace.exists()
     # Every knob at its default is left out; a model that is not a preset has no command.
     assert simulate_command(dict(best, model="MLPConfig(num_layers=2)")) is None
+    # A training precision is named where it is not its dtype's default.
+    assert "--training-precision" not in simulate_command(
+        dict(best, dtype="bf16", training_precision="mixed")
+    )
+    assert "--training-precision half" in simulate_command(
+        dict(best, dtype="bf16", training_precision="half")
+    )
     assert "--tensor" not in command and "--model" in command  # tensor 1 (the default), mlp-xs (not)
 
 
@@ -671,6 +678,11 @@ def test_merge_never_overwrites_one_of_its_inputs(tmp_path, capsys, monkeypatch)
         (["simulate", "--model", "mlp-xs", "--overlap-grad-comm", "--tensor", "2"], "give --data > 1"),
         (["sweep", "--world-sizes", "4", "--tensor", "1", "--sequence-parallel", "yes"], "tensor degree > 1"),
         (["sweep", "--world-sizes", "1", "--sequence-parallel", "both"], "tensor degree > 1"),
+        (
+            ["simulate", "--dtype", "f32", "--training-precision", "half"],
+            "an f32 model trains in full precision",
+        ),
+        (["sweep", "--dtype", "f32", "--training-precision", "half"], "--dtype f32 has neither"),
     ],
 )
 def test_contradictory_options_are_usage_errors(argv, says, tmp_path, capsys):
@@ -692,6 +704,11 @@ def test_contradictory_options_are_usage_errors(argv, says, tmp_path, capsys):
         (["simulate", "--schedule", "foo"], "argument --schedule: expected one of gpipe, 1f1b, interleaved"),
         (["simulate", "--hardware", "foo"], "argument --hardware: expected one of dgx-a100-80gb,"),
         (["simulate", "--recompute", "most"], "argument --recompute: expected one of none, attention"),
+        (
+            ["simulate", "--training-precision", "full"],
+            "--training-precision: expected one of mixed, mixed-half",
+        ),
+        (["sweep", "--training-precision", "mixed,amp"], "--training-precision: expected some of mixed,"),
     ],
 )
 def test_errors_name_the_option_and_what_it_takes(argv, says, capsys):
@@ -718,9 +735,13 @@ def test_simulate_says_which_switches_are_on(capsys):
     argv = ["simulate", "--model", "mlp-xs", "--data", "2", "--tensor", "2", "--batch-size", "32"]
     assert main(argv + ["--zero", "--overlap-grad-comm", "--sequence-parallel", "--dtype", "f32"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.endswith("recompute none, ZeRO-1, gradient overlap, sequence parallel, f32, adam")
+    assert first.endswith(
+        "recompute none, ZeRO-1, gradient overlap, sequence parallel, f32 (full precision), adam"
+    )
     assert main(argv) == 0
-    assert capsys.readouterr().out.splitlines()[0].endswith("recompute none, bf16, adam")
+    assert capsys.readouterr().out.splitlines()[0].endswith("recompute none, bf16 (mixed precision), adam")
+    assert main(argv + ["--training-precision", "half"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("recompute none, bf16 (half precision), adam")
 
 
 def test_calibrate_then_sweep_and_simulate_on_the_calibrated_preset(tmp_path, capsys, monkeypatch):
@@ -760,7 +781,7 @@ def test_calibrate_then_sweep_and_simulate_on_the_calibrated_preset(tmp_path, ca
     sweep += ["--hardware", "a100-lab", "--output", str(tmp_path / "calibrated.csv")]
     # The lab sweep's other knobs, so its rows hold the truth for every row of this one.
     sweep += ["--dtype", rows[0]["dtype"], "--optimizer", rows[0]["optimizer"], "--microbatches", "2"]
-    sweep += ["--schedules", "1f1b", "--zero", "no", "--overlap", "no"]
+    sweep += ["--schedules", "1f1b", "--zero", "no", "--overlap", "no", "--recompute", "none"]
     assert _one_line_error(capsys, 2, sweep)  # without --presets the name is unknown
     assert main(sweep + ["--presets", str(calibration)]) == 0
     command = capsys.readouterr().out.split("up close")[1].splitlines()[1].split()

@@ -187,6 +187,66 @@ def test_annotation_contract(config, optimizer):
             assert (op.attr("tp") is None) == (op.attr("tp_axis") is None)
 
 
+@pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+def test_training_precisions_keep_the_contract(config, precision):
+    """bf16: "mixed" casts each weight's gradient to f32 right after the op computing it
+    (the cast carries grad_of); the others keep it in bf16. Master copies come with
+    "mixed" and "mixed-half-grads", last among the outputs."""
+    config = dataclasses.replace(config, dtype="bf16", training_precision=precision)
+    assert config.resolved_precision == precision
+    fn = builders(config)[0](config, BATCH, optimizer="adam")
+    check_contract(fn)
+    weights = weight_names(fn)
+    producers = fn.producers()
+    for w, (op_index, out_index) in gradient_ops(fn).items():
+        op = fn.ops[op_index]
+        assert op.outputs[out_index].name == f"{w}.grad" and op.attr("phase") == "bwd"
+        if precision == "mixed":
+            assert op.op_type == "Cast" and op.outputs[0].type.dtype == "f32"
+            source = fn.ops[producers[op.inputs[0].name]]
+            assert op.inputs[0].name == f"{w}.grad.bf16" and source.attr("grad_of") is None
+            assert (source.attr("layer"), source.attr("phase")) == (op.attr("layer"), op.attr("phase"))
+        else:
+            assert op.op_type != "Cast" and op.outputs[out_index].type.dtype == "bf16"
+    assert (precision == "mixed") == any(op.op_type == "Cast" for op in fn.ops)
+    masters = [f"{w}.master.new" for w in weights] if precision != "half" else []
+    outputs = [v.name for v in fn.outputs]
+    assert (
+        outputs
+        == ["loss"]
+        + [f"{w}.new" for w in weights]
+        + [f"{w}.{s}.new" for w in weights for s in "mv"]
+        + masters
+    )
+    assert models.get_model_config("gpt3-xl").resolved_precision == "full"
+    assert dataclasses.replace(TINY_GPT, dtype="f16").resolved_precision == "mixed"
+
+
+@pytest.mark.parametrize("precision", [None, "mixed"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+def test_flops_outside_the_optimizer_scale_with_the_batch(config, precision):
+    """The pipeline transform orders and balances steps by the flops of the whole
+    batch's program, the fast engine by one microbatch's: the same order only while
+    every op but the updates does work in proportion to the batch."""
+    if precision:
+        config = dataclasses.replace(config, dtype="bf16", training_precision=precision)
+    build = builders(config)[0]
+    small, large = build(config, 4, optimizer="adam"), build(config, 12, optimizer="adam")
+    for a, b in zip(small.ops, large.ops, strict=True):
+        if a.attr("phase") == "opt":
+            continue
+        flops = [
+            float(
+                get_spec(op.op_type)
+                .features(op.attr_dict, [v.type for v in op.inputs], [v.type for v in op.outputs])
+                .flops
+            )
+            for op in (a, b)
+        ]
+        assert flops[1] == pytest.approx(3 * flops[0], rel=1e-12), (a.op_type, [v.name for v in a.outputs])
+
+
 def matmuls_using(fn, weight):
     return [
         op
@@ -272,6 +332,15 @@ def test_size_variants_give_per_variant_features(config):
         (lambda: TransformerConfig(0, 8, 2, 11, 4), r"num_layers=0"),
         (lambda: MLPConfig(2, 8, dtype="f8"), r"dtype='f8'"),
         (lambda: models.get_model_config("mlp-xs", dtype="i32"), r"dtype='i32'"),
+        (
+            lambda: MLPConfig(2, 8, training_precision="amp"),
+            r"one of \['full', 'mixed'.*got training_precision='amp'",
+        ),
+        (lambda: MLPConfig(2, 8, training_precision="mixed"), r"f32 models train in precision 'full'"),
+        (
+            lambda: dataclasses.replace(TINY_GPT, dtype="bf16", training_precision="full"),
+            r"bf16 models train in precision 'mixed' or 'mixed-half-grads' or 'half'.*'full'",
+        ),
         (lambda: models.mlp_training_step(TINY_MLP, 0), r"batch_size=0"),
         (lambda: models.transformer_inference(TINY_GPT, np.array([2, 0])), r"batch_size=array\(\[2, 0\]\)"),
         (lambda: models.transformer_training_step(TINY_GPT, 2.5), r"batch_size=2.5"),

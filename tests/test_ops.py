@@ -48,7 +48,7 @@ def test_registry_has_every_op():
         "TanhGrad", "Scale", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad", "CausalMask", "LayerNorm",
         "LayerNormGrad", "Reshape", "Transpose", "Concat", "Split", "ReduceSum", "MSELoss",
         "MSELossGrad", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Embedding",
-        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce",
+        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce", "Cast",
     }  # fmt: skip
     assert expected <= set(registered_op_types())
 
@@ -284,6 +284,9 @@ BAD = [
     ("Gelu", [((3,), INT)], {}, ["i32"]),
     ("Scale", [((3,), F)], {}, ["factor"]),
     ("Scale", [((3,), F)], {"factor": "big"}, ["factor='big'"]),
+    ("Cast", [((3,), F)], {}, ["Cast", "dtype=None"]),
+    ("Cast", [((3,), F)], {"dtype": "i32"}, ["dtype='i32'", "bf16"]),
+    ("Cast", [((3,), INT)], {"dtype": "f32"}, ["Cast's operand", "i32"]),
     ("Softmax", [((3, 4), F)], {"axis": 2}, ["axis 2"]),
     ("SoftmaxGrad", [((3, 4), F), ((3, 5), F)], {}, ["[3, 4]", "[3, 5]"]),
     ("CausalMask", [((2, 3, 4), F)], {}, ["[2, 3, 4]"]),
@@ -473,6 +476,21 @@ def test_adam_features_count_weight_elements():
     outs, feats = features("SGD", (half, half, wide), lr=0.1)
     assert [o.dtype for o in outs] == ["bf16", "f32"] and feats.mem_bytes == (2 + 4 + 2 + 4) * 100
     assert feats.flops == 2 * 100
+    # Precision "mixed": the gradient is f32 too, and read as such.
+    outs, feats = features("Adam", (half, wide, wide, wide, wide), lr=0.1)
+    assert [o.dtype for o in outs] == ["bf16", "f32", "f32", "f32"]
+    assert feats.mem_bytes == (4 + 3 * 4 + 2 + 3 * 4) * 100
+
+
+def test_cast_changes_only_the_dtype():
+    # Data movement: each element read in one dtype and written in the other, no flops.
+    outs, feats = features("Cast", (TensorType((10, 10), "bf16", 3),), dtype="f32")
+    assert outs == (TensorType((10, 10), "f32", 3),)
+    assert feats.mem_bytes == (2 + 4) * 100 and feats.flops == 0
+    x = np.random.default_rng(0).normal(size=(3, 4))
+    (y,) = run("Cast", x, dtype="bf16")
+    np.testing.assert_array_equal(y, x)  # executors run floats in float64
+    assert y is not x
 
 
 @pytest.mark.parametrize(
@@ -481,7 +499,14 @@ def test_adam_features_count_weight_elements():
         # f32 moments for a bf16 weight need its f32 master copy.
         ("Adam", ("bf16", "bf16", "f32", "f32"), "need its master copy"),
         ("Adam", ("bf16", "bf16", "f32", "f32", "bf16"), "share one dtype"),
-        ("Adam", ("bf16", "f32", "f32", "f32", "f32"), "share one dtype"),
+        # A gradient in the weight's dtype, or with a master copy in the master's.
+        (
+            "Adam",
+            ("bf16", "f16", "f32", "f32", "f32"),
+            "gradient is f16; expected its weight's dtype bf16 or",
+        ),
+        ("Adam", ("f32", "bf16", "f32", "f32"), "gradient is bf16; expected its weight's dtype f32$"),
+        ("SGD", ("bf16", "f32"), "gradient is f32; expected its weight's dtype bf16$"),
         ("Adam", ("f32",) * 3, "optionally an f32 master copy"),
         ("SGD", ("bf16", "bf16", "f32", "f32"), "optionally an f32 master copy"),
         ("SGD", ("bf16", "bf16", "i32"), "float dtype"),

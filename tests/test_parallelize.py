@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -17,14 +18,19 @@ from distir_jax.transforms.parallelize import model_shape
 
 MLP = MLPConfig(num_layers=4, hidden=8, dtype="f64")
 GPT = TransformerConfig(num_layers=2, hidden=8, num_heads=2, vocab_size=12, seq_len=4, dtype="f64")
-# Mixed precision (bf16 weights, f32 master copies and moments): the same programs'
-# numbers in the sequential executor, which computes in float64 whatever the dtype.
+# bf16 models in each training precision (by default "mixed": f32 master copies,
+# moments and gradient sums): the same programs' numbers in the sequential
+# executor, which computes in float64 whatever the dtype.
 CONFIGS = {
     "mlp": MLP,
     "gpt": GPT,
     "mlp-bf16": dataclasses.replace(MLP, dtype="bf16"),
     "gpt-bf16": dataclasses.replace(GPT, dtype="bf16"),
+    "mlp-bf16-half-grads": dataclasses.replace(MLP, dtype="bf16", training_precision="mixed-half-grads"),
+    "gpt-bf16-half": dataclasses.replace(GPT, dtype="bf16", training_precision="half"),
 }
+PRECISION_CASES = {"mixed": "gpt-bf16", "mixed-half-grads": "gpt-bf16-half-grads", "half": "gpt-bf16-half"}
+CONFIGS["gpt-bf16-half-grads"] = dataclasses.replace(GPT, dtype="bf16", training_precision="mixed-half-grads")
 BATCH = 8
 
 
@@ -220,7 +226,9 @@ HYBRIDS = {
 }
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt", "mlp-bf16", "gpt-bf16"])
+@pytest.mark.parametrize(
+    "model", ["mlp", "gpt", "mlp-bf16", "gpt-bf16", "mlp-bf16-half-grads", "gpt-bf16-half"]
+)
 @pytest.mark.parametrize("hybrid", list(HYBRIDS))
 def test_hybrid_computes_the_original(hybrid, model):
     modules, config = HYBRIDS[hybrid]
@@ -233,27 +241,57 @@ def test_hybrid_computes_the_original(hybrid, model):
     assert_computes_the_original(dist, model)
 
 
+def _is_state(name: str) -> bool:
+    """An input holding optimizer state or a master copy (``{w}.m.tp0.dp1``,
+    ``{w}.master.dp0``), not ZeRO's shard of the weight an update writes (``{w}.dp1.master``)."""
+    parts = name.split(".")
+    return any(
+        p in ("m", "v", "master") and not re.fullmatch(r"dp\d+", parts[i - 1]) for i, p in enumerate(parts)
+    )
+
+
+@pytest.mark.parametrize("precision", list(PRECISION_CASES))
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_mixed_precision_keeps_f32_masters_and_moments_sharded_by_zero(optimizer):
-    """A bf16 model's update runs on an f32 master copy (and f32 moments): 2 + 4
-    (SGD) or 2 + 12 (Adam) bytes a parameter resident; ZeRO keeps a 1/d shard of
-    the f32 state; the result is the original's."""
+def test_training_precision_sets_state_and_gradient_dtypes(optimizer, precision):
+    """Mixed precision: the update runs on an f32 master copy (and f32 moments),
+    2 + 4 (SGD) or 2 + 12 (Adam) bytes a parameter resident, and with "mixed"
+    gradients are summed over microbatches and reduced over replicas in f32.
+    "half": no master, moments in bf16 (2 or 2 + 4 bytes), gradients in bf16.
+    ZeRO keeps a 1/d shard of the state; every variant computes the original."""
     pytest.importorskip("distir_jax.transforms.pipeline")
-    fn = case("gpt-bf16", optimizer)[0]
+    model = PRECISION_CASES[precision]
+    fn = case(model, optimizer)[0]
     weights = {v.name: v.type for v in fn.inputs if v.name in models.weight_names(fn)}
     params = sum(int(t.num_elements) for t in weights.values())
     state = {v.name: v.type for v in fn.inputs if v.name.rsplit(".", 1)[0] in weights}
-    assert {t.dtype for t in weights.values()} == {"bf16"} and {t.dtype for t in state.values()} == {"f32"}
-    per_param = 2 + (12 if optimizer == "adam" else 4)
-    assert sum(int(t.num_bytes) for t in (*weights.values(), *state.values())) == per_param * params
-    f32_bytes = {}
+    state_dtype = "bf16" if precision == "half" else "f32"
+    assert {t.dtype for t in weights.values()} == {"bf16"}
+    assert {t.dtype for t in state.values()} == ({state_dtype} if state else set())
+    state_bytes = (
+        (4 if precision == "half" else 12) if optimizer == "adam" else (0 if precision == "half" else 4)
+    )
+    assert sum(int(t.num_bytes) for t in (*weights.values(), *state.values())) == (2 + state_bytes) * params
+    grad_dtype = "f32" if precision == "mixed" else "bf16"
+    state_bytes_held = {}
     for zero in (False, True):
         config = ParallelConfig(data=2, tensor=2, pipeline=2, microbatches=2, zero=zero)
         dist = parallelize(fn, config)
-        assert_computes_the_original(dist, "gpt-bf16", optimizer)
-        f32_bytes[zero] = sum(int(v.type.num_bytes) for v in dist.function.inputs if v.type.dtype == "f32")
-    # Two data-parallel replicas hold the f32 state twice; under ZeRO once, in halves.
-    assert f32_bytes[False] == 2 * f32_bytes[True] > 0
+        assert_computes_the_original(dist, model, optimizer)
+        ops = dist.function.ops
+        # What the updates read, what sums microbatches and what reduces over replicas.
+        grads = {op.inputs[1].type.dtype for op in ops if op.op_type in ("SGD", "Adam")}
+        sums = {
+            op.outputs[0].type.dtype for op in ops if op.op_type == "Add" and ".acc" in op.outputs[0].name
+        }
+        reduced = {
+            op.outputs[0].type.dtype
+            for op in ops
+            if op.op_type in ("AllReduce", "ReduceScatter") and ".grad" in op.inputs[0].name
+        }
+        assert grads == sums == reduced == {grad_dtype}
+        state_bytes_held[zero] = sum(int(v.type.num_bytes) for v in dist.function.inputs if _is_state(v.name))
+    # Two data-parallel replicas hold the state twice; under ZeRO once, in halves.
+    assert state_bytes_held[False] == 2 * state_bytes_held[True] or state_bytes == 0
 
 
 def test_interleaved_hybrid_computes_the_original():

@@ -236,14 +236,18 @@ def test_a_long_pipeline_summarized_from_its_steady_program(steady_everywhere):
     ],
     ids=["pipeline-zero-overlap", "tensor-interleaved", "zero-sgd"],
 )
-def test_mixed_precision_rows_are_the_fine_programs(knobs):
-    """A bf16 model trains with f32 master copies and moments; the fast engine's coarse
-    program, measured from the fine block, holds and moves them as the fine program does."""
+@pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half"])
+def test_half_precision_rows_are_the_fine_programs(knobs, precision):
+    """A bf16 model in each training precision (f32 master copies, moments and
+    gradient sums, or some of them in bf16): the fast engine's coarse program,
+    measured from the fine block, holds and moves them as the fine program does."""
     import dataclasses
 
     from search.single import make_config
 
-    config = make_config(dataclasses.replace(TINY_GPT, dtype="bf16"), batch_size=16, **knobs)
+    model = dataclasses.replace(TINY_GPT, dtype="bf16")
+    config = make_config(model, batch_size=16, training_precision=precision, **knobs)
+    assert config.training_precision == precision == config.model_config.resolved_precision
     _assert_summary_is_the_fine_programs(config)
 
 

@@ -163,6 +163,15 @@ def test_read_rejects_other_files(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="not a results table"):
         ResultTable.read(tmp_path / "x.csv")
+    # A file from before a knob existed names what it lacks.
+    HAND_MADE.write(tmp_path / "old.csv")
+    lines = (tmp_path / "old.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    at = header.index("training_precision")
+    cut = [",".join(f for i, f in enumerate(line.split(",")) if i != at) for line in lines]
+    (tmp_path / "old.csv").write_text("\n".join(cut) + "\n")
+    with pytest.raises(ValueError, match=r"missing \['training_precision'\].*older distir-jax"):
+        ResultTable.read(tmp_path / "old.csv")
 
 
 def test_format_prints_a_header_and_rows():

@@ -1,6 +1,7 @@
 """Strategy spaces: enumeration counts, invalid rows with reasons, stable ids."""
 
 import collections
+import dataclasses
 
 import pytest
 
@@ -118,7 +119,7 @@ def test_config_ids_are_stable_and_ignore_the_reason():
     # A golden value: ids must not change between runs, processes or Python versions.
     assert config.config_id == search.config_id(config.knobs())
     assert config.with_reason("whatever").config_id == config.config_id
-    assert config.config_id == "6743d1d2bcc3bec1", config.config_id
+    assert config.config_id == "877b4e3cec404907", config.config_id
 
 
 def test_structural_key_leaves_out_sizes_and_hardware():
@@ -141,9 +142,41 @@ def test_transformer_seq_len_override_and_dtype():
     assert config.preset == "dgx-a100-80gb:1"
 
 
+def test_training_precision_applies_to_half_precision_models():
+    """bf16 rows take each listed training precision; f32 rows train in full precision
+    whatever is listed (one row, not three equal ones); "full" for bf16 is a row's reason."""
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(1,),
+        dtype=("f32", "bf16"),
+        training_precision=("mixed", "half", "mixed-half-grads"),
+    )
+    rows = [
+        (c.dtype, c.training_precision, c.model_config.resolved_precision) for c in enumerate_configs(space)
+    ]
+    assert rows == [
+        ("f32", "full", "full"),
+        ("bf16", "mixed", "mixed"),
+        ("bf16", "half", "half"),
+        ("bf16", "mixed-half-grads", "mixed-half-grads"),
+    ]
+    # None: each model's own (the default of its dtype, or what its config says).
+    (default,) = enumerate_configs(StrategySpace(model=TINY_GPT, world_sizes=(1,), dtype="bf16"))
+    assert default.training_precision == "mixed"
+    own = dataclasses.replace(TINY_GPT, dtype="bf16", training_precision="half")
+    (kept,) = enumerate_configs(StrategySpace(model=own, world_sizes=(1,)))
+    assert kept.training_precision == "half" and kept.valid
+    (full,) = enumerate_configs(
+        StrategySpace(model=TINY_GPT, world_sizes=(1,), dtype="bf16", training_precision="full")
+    )
+    assert not full.valid and "bf16 models train in precision 'mixed'" in full.reason
+    assert full.training_precision == "full"
+
+
 @pytest.mark.parametrize(
     "bad",
     [
+        dict(training_precision="amp"),
         dict(schedules=("zigzag",)),
         dict(recompute=("most",)),
         dict(world_sizes=(0,)),

@@ -219,3 +219,33 @@ register(
         num_inputs=1,
     )
 )
+
+# --------------------------------------------------------------------------- #
+# Cast: a float tensor in another float dtype. Mixed precision casts each
+# half-precision weight gradient to f32 before microbatches are summed and
+# replicas all-reduce it (Megatron-LM's main_grad).
+
+
+def _cast_infer(attrs, ins):
+    (x,) = ins
+    require_float_dtype(x, "Cast's operand")
+    # (Not `to`: that attribute names a device, which transforms move.)
+    dtype = attrs.get("dtype")
+    if dtype not in FLOAT_DTYPES:
+        raise OpError(f"Cast needs attribute dtype, one of {list(FLOAT_DTYPES)}, got dtype={dtype!r}")
+    return (TensorType(x.shape, dtype, x.device),)
+
+
+register(
+    OpSpec(
+        "Cast",  # (x; dtype) -> x in `dtype`
+        _cast_infer,
+        # Data movement, as Transpose and Concat: no flops. (The pipeline transform
+        # orders and balances steps by flops that scale with the batch; a weight
+        # gradient's cast does not.)
+        lambda attrs, ins, outs: elementwise_features(ins, outs, 0.0),
+        # Executors evaluate every float in float64, so the value is unchanged.
+        lambda attrs, inputs: (np.array(inputs[0], copy=True),),
+        num_inputs=1,
+    )
+)

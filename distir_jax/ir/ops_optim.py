@@ -6,7 +6,7 @@ so a training step allocates no second copy of the weights or moments.
 Mixed precision, as models are trained in bf16 / f16: an update may take a
 last operand, the weight's master copy in a wider float dtype (f32), and the
 optimizer state (Adam's moments) is in that dtype too. The update then runs
-on the master (the half-precision gradient read as it is) and writes the
+on the master (the gradient, in the weight's dtype or f32, read as it is) and writes the
 weight, in place in its own dtype, from the new master: per parameter the
 weight's 2 bytes plus 12 of f32 master and moments resident, as Megatron-LM
 and DeepSpeed keep them.
@@ -24,20 +24,23 @@ from distir_jax.ir.shape_rules import elementwise_features, require_same_dtype, 
 # Operands shared by the updates: (w, g, state..., [master]).
 
 
-def _state_types(ins, op: str, what: str) -> tuple:
-    """Checks an update's operands (``what`` names them): the weight and gradient
-    share a dtype (Adam's a float one) and every operand the weight's shape;
-    the rest (the optimizer state, then a master copy if there is one) share
-    a float dtype, which may be wider than the weight's only with a master
-    copy (mixed precision). Returns the types of the rest."""
+def _state_types(ins, op: str, what: str, has_master: bool) -> tuple:
+    """Checks an update's operands (``what`` names them): every operand has the
+    weight's shape; the rest (the optimizer state, then a master copy if there
+    is one) share a float dtype, which may be wider than the weight's only with
+    a master copy (mixed precision); the gradient has the weight's dtype (Adam's
+    a float one), or with a master copy the master's. Returns the types of the rest."""
     same_shape(ins, what)
     if op == "Adam":  # (SGD's arithmetic is defined on any numbers)
         require_float_dtype(ins[0], f"{op}'s weight")
-    require_same_dtype(ins[:2])
     state = tuple(ins[2:])
     if state:
         require_same_dtype(state)
         require_float_dtype(state[0], f"{op}'s state and master copy")
+    w, g = ins[:2]
+    if not (g.dtype == w.dtype or (has_master and g.dtype == state[-1].dtype)):
+        wider = f" or its master copy's {state[-1].dtype}" if has_master else ""
+        raise OpError(f"{op}'s gradient is {g.dtype}; expected its weight's dtype {w.dtype}{wider}")
     return state
 
 
@@ -51,7 +54,7 @@ def _sgd_infer(attrs, ins):
             f"SGD takes a weight, its gradient and optionally an f32 master copy, got {len(ins)} operands"
         )
     w = ins[0]
-    state = _state_types(ins, "SGD", "SGD's weight, gradient and master copy")
+    state = _state_types(ins, "SGD", "SGD's weight, gradient and master copy", len(ins) == 3)
     float_attr(attrs, "lr", "SGD")
     return (w,) + tuple(state)
 
@@ -110,7 +113,7 @@ def _adam_infer(attrs, ins):
             f"Adam takes w, g, m, v and optionally an f32 master copy of w, got {len(ins)} operands"
         )
     w = ins[0]
-    state = _state_types(ins, "Adam", "Adam's w, g, m, v and master copy")
+    state = _state_types(ins, "Adam", "Adam's w, g, m, v and master copy", len(ins) == 5)
     if len(ins) == 4 and state[0].dtype != w.dtype:
         raise OpError(
             f"Adam's moments are {state[0].dtype} and its weight {w.dtype}: moments wider than the "

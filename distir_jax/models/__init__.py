@@ -28,13 +28,18 @@ Annotation contract (what parallelism transforms may rely on; checked by
   ``l{i}.mlp.w1`` ``[H, F]``, ``l{i}.mlp.w2`` ``[F, H]``, and
   ``l{L+1}.lnf.gamma``, ``l{L+1}.lnf.beta``, ``l{L+1}.head.w`` ``[H, V]``
   (untied). Then, for Adam, ``{weight}.m`` and ``{weight}.v`` per weight;
-  then, for a model in ``bf16`` or ``f16`` (mixed precision), the f32 master
+  then, for a model in ``bf16`` or ``f16`` trained in mixed precision
+  (config ``training_precision`` ``mixed`` or ``mixed-half-grads``), the f32 master
   copy ``{weight}.master`` per weight (Adam's moments are then f32 too).
 * **Gradients.** The gradient of weight ``W`` is produced by exactly one op
   with attr ``grad_of``: a str ``"W"`` when the op's (only) output is it, or a
   tuple of weight names for ops whose *last* outputs are those gradients, in
   order (``LayerNormGrad``: ``grad_of=(gamma, beta)`` for outputs 1 and 2).
-  Gradient values are named ``{W}.grad``. Weight gradients of MatMul weights
+  Gradient values are named ``{W}.grad``. With training precision ``mixed`` the op
+  computing it carries no ``grad_of`` and names its output
+  ``{W}.grad.{dtype}``; a ``Cast(dtype="f32")`` right after it (same layer and
+  phase) carries ``grad_of`` and outputs ``{W}.grad``, so microbatch sums,
+  all-reduces and the update see an f32 gradient. Weight gradients of MatMul weights
   are ``MatMul(flat_x, flat_dy, transpose_a=True)`` on ``[B*S, ·]`` operands
   flattened by ``Reshape(shape=(-1, width))``; ``l0.embed.pos``'s is a
   ``ReduceSum`` over axis 0, ``l0.embed.tokens``'s an ``EmbeddingGrad``.

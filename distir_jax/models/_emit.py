@@ -33,9 +33,13 @@ class Emitter:
     ops with :meth:`op`, so no op can leave without its annotations.
     """
 
-    def __init__(self, name: str, dtype: str):
+    def __init__(self, name: str, dtype: str, precision: str = "full"):
         self.builder = FunctionBuilder(name)
         self.dtype = dtype
+        self.precision = precision
+        # Mixed precision sums and all-reduces weight gradients in f32: each is
+        # cast as the backward emits it (Megatron-LM's main_grad).
+        self.grad_dtype = MASTER_DTYPE if precision == "mixed" else dtype
         self.layer = 0
         self.phase = "fwd"
         self.weights: list[Value] = []
@@ -61,14 +65,33 @@ class Emitter:
 
     def weight_grad(self, op_type: str, weight: Value, *inputs: Value, **attrs) -> Value:
         """Emits the op producing ``weight``'s gradient, named ``{weight}.grad``."""
-        grad = self.op(op_type, *inputs, name=f"{weight.name}.grad", grad_of=weight.name, **attrs)
-        self.record_grad(weight, grad)
-        return grad
+        grad = self.op(op_type, *inputs, name=self.grad_name(weight), **self.grad_attrs(weight), **attrs)
+        return self.record_grad(weight, grad)
 
-    def record_grad(self, weight: Value, grad: Value) -> None:
+    def grad_name(self, weight: Value) -> str:
+        """The name of the value the backward computes as ``weight``'s gradient."""
+        cast = self.grad_dtype != self.dtype
+        return f"{weight.name}.grad.{self.dtype}" if cast else f"{weight.name}.grad"
+
+    def grad_attrs(self, *weights: Value) -> dict:
+        """``grad_of`` for an op computing the gradients of ``weights`` (its last
+        outputs), unless each is cast: then the cast carries it."""
+        if self.grad_dtype != self.dtype:
+            return {}
+        names = tuple(w.name for w in weights)
+        return {"grad_of": names[0] if len(names) == 1 else names}
+
+    def record_grad(self, weight: Value, grad: Value) -> Value:
+        """Records ``weight``'s gradient, cast to ``grad_dtype`` first if it is
+        not in it; returns what the optimizer will read."""
         if weight.name in self.grads:
             raise AssertionError(f"second gradient of {weight.name}")
+        if grad.type.dtype != self.grad_dtype:
+            grad = self.op(
+                "Cast", grad, name=f"{weight.name}.grad", dtype=self.grad_dtype, grad_of=weight.name
+            )
         self.grads[weight.name] = grad
+        return grad
 
     def build(self, *outputs) -> Function:
         return self.builder.build(*outputs)
@@ -79,9 +102,8 @@ def weight_layer(weight: Value) -> int:
     return int(weight.name.split(".", 1)[0][1:])
 
 
-# Mixed precision: weights in these dtypes train with an f32 master copy and f32
-# optimizer state (Megatron-LM, DeepSpeed), which the updates read and write.
-HALF_DTYPES = ("bf16", "f16")
+# Mixed precision keeps master weights, optimizer state and (precision "mixed")
+# gradient sums in this dtype (see ``distir_jax.models.config.PRECISIONS``).
 MASTER_DTYPE = "f32"
 
 
@@ -89,17 +111,17 @@ def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
     """Emits one update per weight (declaration order) from ``em.grads``; returns the new state.
 
     Adam's moments are declared here as function inputs ``{weight}.m`` and
-    ``{weight}.v`` (after all weights), so they count as resident memory. A
-    model in a half-precision dtype (``HALF_DTYPES``) trains in mixed
-    precision: each weight also has an f32 master copy ``{weight}.master``,
-    the moments are f32, and the update runs on the master and writes the
-    weight from it (see :mod:`distir_jax.ir.ops_optim`).
+    ``{weight}.v`` (after all weights), so they count as resident memory. In
+    mixed precision (``em.precision`` ``mixed`` or ``mixed-half-grads``) each
+    weight also has an f32 master copy ``{weight}.master``, the moments are
+    f32, and the update runs on the master and writes the weight from it (see
+    :mod:`distir_jax.ir.ops_optim`); with ``mixed`` it reads an f32 gradient.
 
     Returns:
       The updated weights, then (Adam) each weight's new ``m`` and ``v``, then
       (mixed precision) each weight's new ``master``.
     """
-    mixed = em.dtype in HALF_DTYPES
+    mixed = em.precision in ("mixed", "mixed-half-grads")
     state = {}
     for w in em.weights:
         dtype = MASTER_DTYPE if mixed else w.type.dtype

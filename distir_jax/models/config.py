@@ -15,6 +15,18 @@ from distir_jax.ir.types import Dim, normalize_dim
 
 # f64 is for numerical tests only; real presets use a training dtype.
 MODEL_DTYPES = ("f32", "f16", "bf16", "f64")
+HALF_DTYPES = ("bf16", "f16")
+
+# How a model trains in its dtype (the optimizer's and the gradients' dtypes).
+# f32 / f64 models train in full precision. Half-precision models train
+#   "mixed": with an f32 master copy of each weight and f32 optimizer state,
+#     gradients cast to f32 before microbatches are summed and replicas
+#     all-reduce them (Megatron-LM's bf16 default: main_grad);
+#   "mixed-half-grads": the same, with gradients summed and all-reduced in the
+#     model dtype (Megatron-LM's f16 default, DeepSpeed's fp16);
+#   "half": with no master copy, optimizer state and gradients in the model dtype.
+PRECISIONS = ("full", "mixed", "mixed-half-grads", "half")
+HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half")
 
 
 def _check_positive_int(owner: str, name: str, value) -> None:
@@ -33,32 +45,67 @@ def _check_dtype(owner: str, dtype) -> None:
         raise ValueError(f"{owner}: dtype must be one of {list(MODEL_DTYPES)}, got dtype={dtype!r}")
 
 
+def precisions_for(dtype: str) -> tuple[str, ...]:
+    """The training precisions a model in ``dtype`` can take, its default first."""
+    return HALF_PRECISIONS if dtype in HALF_DTYPES else ("full",)
+
+
+def _check_precision(owner: str, dtype: str, precision) -> None:
+    """``training_precision`` (None: the dtype's default) must suit ``dtype``."""
+    if precision is None:
+        return
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"{owner}: training_precision must be one of {list(PRECISIONS)}, "
+            f"got training_precision={precision!r}"
+        )
+    allowed = precisions_for(dtype)
+    if precision not in allowed:
+        raise ValueError(
+            f"{owner}: {dtype} models train in precision {' or '.join(map(repr, allowed))}, "
+            f"got training_precision={precision!r} with dtype={dtype!r}"
+        )
+
+
+class _Precision:
+    """The ``resolved_precision`` property shared by the configs."""
+
+    @property
+    def resolved_precision(self) -> str:
+        """``training_precision``, or the dtype's default (``mixed`` for bf16 / f16, else ``full``)."""
+        return self.training_precision or precisions_for(self.dtype)[0]
+
+
 @dataclasses.dataclass(frozen=True)
-class MLPConfig:
+class MLPConfig(_Precision):
     """A DistIR-style MLP: ``num_layers`` square ``[hidden, hidden]`` weights, no biases.
 
     Attributes:
       num_layers: number of weight matrices (layers), ``L``.
       hidden: width of every layer, including the input and the output.
       dtype: element type of weights and activations.
+      training_precision: how it trains in ``dtype`` (``PRECISIONS``); None: the
+        dtype's default (``mixed`` for bf16 / f16, ``full`` otherwise).
     """
 
     num_layers: int
     hidden: int
     dtype: str = "f32"
+    training_precision: str | None = None
 
     def __post_init__(self):
         _check_positive_int("MLPConfig", "num_layers", self.num_layers)
         _check_positive_int("MLPConfig", "hidden", self.hidden)
         _as_python_ints(self, ("num_layers", "hidden"))
         _check_dtype("MLPConfig", self.dtype)
+        _check_precision("MLPConfig", self.dtype, self.training_precision)
 
     def num_parameters(self) -> int:
         return self.num_layers * self.hidden * self.hidden
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(_Precision):
     """A decoder-only GPT: pre-norm blocks of attention and a Gelu MLP.
 
     Attributes:
@@ -70,6 +117,8 @@ class TransformerConfig:
       ffn_hidden: width of the MLP's inner layer ``F``; ``None`` means ``4 H``.
       dtype: element type of weights and activations (token ids are ``i32``).
       ln_eps: LayerNorm epsilon.
+      training_precision: how it trains in ``dtype`` (``PRECISIONS``); None: the
+        dtype's default (``mixed`` for bf16 / f16, ``full`` otherwise).
     """
 
     num_layers: int
@@ -80,6 +129,7 @@ class TransformerConfig:
     ffn_hidden: int | None = None
     dtype: str = "f32"
     ln_eps: float = 1e-5
+    training_precision: str | None = None
 
     def __post_init__(self):
         owner = "TransformerConfig"
@@ -96,6 +146,7 @@ class TransformerConfig:
                 "(each head gets hidden / num_heads features)"
             )
         _check_dtype(owner, self.dtype)
+        _check_precision(owner, self.dtype, self.training_precision)
         if not isinstance(self.ln_eps, (int, float)) or not self.ln_eps > 0:
             raise ValueError(f"{owner}: ln_eps must be a number > 0, got ln_eps={self.ln_eps!r}")
 

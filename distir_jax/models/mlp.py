@@ -48,7 +48,7 @@ def _forward(em: Emitter, config: MLPConfig, x: Value) -> tuple[list[Value], lis
 
 def _inputs(config: MLPConfig, batch_size, name: str, with_target: bool):
     batch = check_batch_size(batch_size)
-    em = Emitter(name, config.dtype)
+    em = Emitter(name, config.dtype, config.resolved_precision)
     x = em.data("x", (batch, config.hidden))
     target = em.data("target", (batch, config.hidden)) if with_target else None
     return em, x, target

@@ -135,9 +135,9 @@ def _layer_norm_grad(em: Emitter, dy: Value, x: Value, gamma: Value, beta: Value
         dy,
         x,
         gamma,
-        name=(name, f"{gamma.name}.grad", f"{beta.name}.grad"),
+        name=(name, em.grad_name(gamma), em.grad_name(beta)),
         eps=eps,
-        grad_of=(gamma.name, beta.name),
+        **em.grad_attrs(gamma, beta),
     )
     em.record_grad(gamma, dgamma)
     em.record_grad(beta, dbeta)
@@ -225,7 +225,7 @@ class _Forward(NamedTuple):
 
 def _forward(cfg: TransformerConfig, batch_size, name: str, with_labels: bool) -> tuple[Emitter, _Forward]:
     batch = check_batch_size(batch_size)
-    em = Emitter(name, cfg.dtype)
+    em = Emitter(name, cfg.dtype, cfg.resolved_precision)
     tokens = em.data("tokens", (batch, cfg.seq_len), "i32")
     labels = em.data("labels", (batch, cfg.seq_len), "i32") if with_labels else None
     weights = _declare_weights(em, cfg)

@@ -41,7 +41,7 @@ import numpy as np
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.registry import get_spec
 from distir_jax.ir.topology import Topology
-from distir_jax.ir.types import DTYPE_BYTES
+from distir_jax.ir.types import DTYPE_BYTES, TensorType
 from distir_jax.lower import lower
 from distir_jax.models.config import MLPConfig, TransformerConfig
 from distir_jax.models.mlp import mlp_training_step
@@ -474,7 +474,7 @@ def _zero_shards(features: LayerFeatures, degree: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def _data_parallel_cached(grad_types: tuple, degree: int, zero: bool):
+def _data_parallel_cached(grad_types: tuple, weight_dtype: str, degree: int, zero: bool):
     # Keyed by the gradients' types: every recompute policy and size shares them.
     num_parts = len(grad_types)
     reduce = np.zeros((num_parts, len(COST_FEATURES)))
@@ -484,7 +484,9 @@ def _data_parallel_cached(grad_types: tuple, degree: int, zero: bool):
     volume, hops = _FEATURE_INDEX["comm_volume"], _FEATURE_INDEX["comm_hops"]
     for part, types in enumerate(grad_types):
         for grad in types:
-            (r_volume, r_hops), (g_volume, g_hops) = _gradient_collectives(grad.cache_key, grad, degree, zero)
+            (r_volume, r_hops), (g_volume, g_hops) = _gradient_collectives(
+                grad.cache_key, grad, weight_dtype, degree, zero
+            )
             reduce[part, volume] += r_volume
             reduce[part, hops] += r_hops
             gather[part, volume] += g_volume
@@ -493,11 +495,13 @@ def _data_parallel_cached(grad_types: tuple, degree: int, zero: bool):
 
 
 @functools.lru_cache(maxsize=4096)
-def _gradient_collectives(key: tuple, grad, degree: int, zero: bool) -> tuple:
+def _gradient_collectives(key: tuple, grad, weight_dtype: str, degree: int, zero: bool) -> tuple:
     """``((volume, hops) of the reduction, (volume, hops) of the gather)`` of one
     gradient of type ``grad``, cached: a block's gradients repeat a few types (a
     LayerNorm's scale and shift, for one). ``key`` is its ``cache_key``, which
-    the cache hashes well (a type's own hash tells dtype, device and rank only)."""
+    the cache hashes well (a type's own hash tells dtype, device and rank only).
+    ZeRO gathers the updated weight's shards, in ``weight_dtype`` (the gradient's
+    may be wider: mixed precision)."""
     group = {"group": tuple(range(degree)), "axis": 0}
     if not zero:
         f = get_spec("AllReduce").features(group, (grad,), (grad,))
@@ -507,6 +511,7 @@ def _gradient_collectives(key: tuple, grad, degree: int, zero: bool) -> tuple:
     rs = get_spec("ReduceScatter")
     (shard,) = rs.infer(padded, (grad,))
     f = rs.features(padded, (grad,), (shard,))
+    shard = TensorType(shard.shape, weight_dtype, shard.device)
     ag = get_spec("AllGather")
     (whole,) = ag.infer(group, (shard,))
     g = ag.features(group, (shard,), (whole,))
@@ -517,4 +522,4 @@ def _gradient_collectives(key: tuple, grad, degree: int, zero: bool) -> tuple:
 def _data_parallel(features: LayerFeatures, degree: int, zero: bool):
     if degree < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {degree}")
-    return _data_parallel_cached(features.grad_types, degree, zero)
+    return _data_parallel_cached(features.grad_types, features.model.dtype, degree, zero)

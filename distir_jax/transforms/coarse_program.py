@@ -30,6 +30,7 @@ import numpy as np
 
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.topology import Topology
+from distir_jax.ir.types import TensorType
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, Program
 from distir_jax.transforms.coarse_features import LayerFeatures, layer_parts
 from distir_jax.transforms.coarse_layers import (
@@ -782,7 +783,8 @@ def _update_values(features: LayerFeatures, data: int) -> tuple:
         rows = int(grad.shape[0])  # ZeRO pads rows the degree does not divide
         w_cost[:, i] = np.where(scaled, zero_shard(update, rows, data), update)
         w_free[i] = zero_shard(float(np.max(grad.num_bytes)), rows, data)  # the gradient shard
-        shard = grad.with_shape((-(-rows // data), *grad.shape[1:]))
+        # The updated weight's shard, in the weight's dtype (the gradient's may be wider).
+        shard = TensorType((-(-rows // data), *grad.shape[1:]), features.model.dtype, grad.device)
         g_cost[i] = _collective("AllGather", shard, data)
         g_alloc[i] = weight_bytes  # the gathered weight, next to the old one
     out = (w_cost, w_free, g_cost, g_alloc)

@@ -77,11 +77,12 @@ ELEMENTWISE = frozenset(
         "TanhGrad",
         "Gelu",
         "GeluGrad",
+        "Cast",
     }
 )
 # Elementwise ops that are linear in all their operands: sums of partial
 # operands give partial results, so no all-reduce is needed before them.
-LINEAR = frozenset({"Add", "Sub", "Neg", "Identity", "Scale"})
+LINEAR = frozenset({"Add", "Sub", "Neg", "Identity", "Scale", "Cast"})
 OPTIMIZERS = frozenset({"SGD", "Adam"})
 # Communication ops, with the attribute naming the axis they split or concat.
 COLLECTIVE_AXES = {
