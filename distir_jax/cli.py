@@ -1024,7 +1024,6 @@ def _print_why_none_fits(table, limit: float | None, under: str) -> None:
 
 
 def _simulate(args) -> int:
-    from distir_jax.models.config import HALF_DTYPES
     from search._fast import fast_unsupported
     from search.single import (
         SingleResult,
@@ -1045,11 +1044,6 @@ def _simulate(args) -> int:
     for flag, on in (("--zero", args.zero), ("--overlap-grad-comm", args.overlap_grad_comm)):
         if on and args.data == 1:
             raise ValueError(f"{flag} acts on the gradients of data-parallel replicas: give --data > 1")
-    if args.training_precision is not None and args.dtype not in HALF_DTYPES:
-        raise ValueError(
-            f"--training-precision chooses how a bf16 / f16 model trains; an {args.dtype} model trains "
-            "in full precision: give --dtype bf16 or f16, or no --training-precision"
-        )
 
     config = make_config(args.model, **{name: getattr(args, name) for name, _ in _SIMULATE_KNOBS[1:]})
     if args.trace:  # before a simulation that may take minutes

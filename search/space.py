@@ -460,8 +460,8 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
                     model_config, model_reason = None, _one_line(err)
                 if model_config is not None:
                     resolved_dtype, resolved_precision = model_config.dtype, model_config.resolved_precision
-                else:
-                    resolved_dtype, resolved_precision = str(dtype), str(precision)
+                else:  # the row names what it asked for: the model's own where it asked for none
+                    resolved_dtype, resolved_precision = _requested(model, dtype, precision)
                 seq = model_config.seq_len if isinstance(model_config, TransformerConfig) else 0
                 for schedule, v, recompute, zero, sp, overlap, optimizer in itertools.product(
                     space.schedules,
@@ -493,6 +493,14 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
                     config = Config(**dict(zip(Config.KNOBS, knobs)), model_config=model_config)
                     reason = model_reason or batch_reason or constraint_reason(config)
                     yield config.with_reason(reason) if reason else config
+
+
+def _requested(model: ModelSpec, dtype: str | None, precision: str | None) -> tuple[str, str]:
+    """``(dtype, training precision)`` of a row whose model does not resolve."""
+    config = get_model_config(model) if isinstance(model, str) else model
+    dtype = dtype or config.dtype
+    own = config.training_precision if dtype == config.dtype else None
+    return str(dtype), str(precision or own or precisions_for(dtype)[0])
 
 
 def constraint_reason(config: Config) -> str:

@@ -680,7 +680,7 @@ def test_merge_never_overwrites_one_of_its_inputs(tmp_path, capsys, monkeypatch)
         (["sweep", "--world-sizes", "1", "--sequence-parallel", "both"], "tensor degree > 1"),
         (
             ["simulate", "--dtype", "f32", "--training-precision", "half"],
-            "an f32 model trains in full precision",
+            "f32 models train in full precision",
         ),
         (["sweep", "--dtype", "f32", "--training-precision", "half"], "--dtype f32 has neither"),
     ],

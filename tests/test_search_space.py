@@ -170,7 +170,16 @@ def test_training_precision_applies_to_half_precision_models():
         StrategySpace(model=TINY_GPT, world_sizes=(1,), dtype="bf16", training_precision="full")
     )
     assert not full.valid and "bf16 models train in precision 'mixed'" in full.reason
-    assert full.training_precision == "full"
+    # An invalid row names what it asked for, the model's own where it asked for nothing.
+    assert (full.dtype, full.training_precision) == ("bf16", "full")
+    (odd,) = enumerate_configs(StrategySpace(model=own, world_sizes=(1,), dtype="tf32"))
+    assert not odd.valid and (odd.dtype, odd.training_precision) == ("tf32", "full")
+    # One configuration made by hand does not drop a precision its dtype cannot take.
+    from search.single import make_config
+
+    with pytest.raises(ValueError, match="'half' chooses how a bf16 / f16 model trains; f32 models"):
+        make_config(TINY_GPT, dtype="f32", training_precision="half")
+    assert make_config(TINY_GPT, training_precision="full").training_precision == "full"
 
 
 @pytest.mark.parametrize(
