@@ -21,7 +21,7 @@ import numpy as np
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function
-from distir_jax.ir.registry import cached_features, get_spec
+from distir_jax.ir.registry import cached_features, get_spec, output_aliases
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.typecheck import infer_types
 
@@ -334,11 +334,14 @@ def _memory_events(fn: Function, op_devices, k: int, num_devices: int):
         device_of[v.name] = v.type.device
         pinned.add(v.name)
         resident[v.type.device] = resident[v.type.device] + v.type.num_bytes
-    aliases_of: dict[str, dict[int, int]] = {}
+    aliases_of: dict[str, dict[int, int]] = {}  # by op type, where attributes do not decide them
     for op in fn.ops:
         aliases = aliases_of.get(op.op_type)
         if aliases is None:
-            aliases = aliases_of[op.op_type] = dict(get_spec(op.op_type).aliases)
+            spec = get_spec(op.op_type)
+            aliases = output_aliases(spec, op.attr_dict, len(op.outputs))
+            if not callable(spec.aliases):
+                aliases_of[op.op_type] = aliases
         for o, v in enumerate(op.outputs):
             if o in aliases:
                 buffer_of[v.name] = buffer_of[op.inputs[aliases[o]].name]

@@ -482,6 +482,35 @@ def test_adam_features_count_weight_elements():
     assert feats.mem_bytes == (4 + 3 * 4 + 2 + 3 * 4) * 100
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_in_place_add_and_reduce_scatter_allocate_nothing(inplace):
+    """``inplace=True`` writes an Add into its first operand (a gradient into its running
+    sum) and a ReduceScatter's parts into their operands (ZeRO's gradient buffers): the
+    operand's buffer lives on in the result, and no new one is allocated."""
+    import distir_jax as dj
+    from distir_jax.executor.reference import reference_peak_memory
+    from distir_jax.ir.registry import output_aliases
+
+    b = dj.FunctionBuilder("sums")
+    x = [b.input(f"x{d}", (8, 4), device=d) for d in (0, 1)]  # 128 bytes each, resident
+    y = [b.add("Relu", v) for v in x]  # +128 a device
+    z = [b.add("Relu", v) for v in x]  # +128 a device
+    s = [b.add("Add", y[d], z[d], inplace=inplace) for d in (0, 1)]  # +128 unless in place
+    parts = b.add("ReduceScatter", *s, axis=0, inplace=inplace)  # +64 unless in place
+    fn = b.build(*[b.add("Relu", part) for part in parts])  # +64 a device
+    assert output_aliases(get_spec("Add"), {"inplace": inplace}, 1) == ({0: 0} if inplace else {})
+    assert output_aliases(get_spec("ReduceScatter"), {"inplace": inplace}, 2) == (
+        {0: 0, 1: 1} if inplace else {}
+    )
+    # The peak is at the Add: x + y + z (+ s unless in place). In place the sum lives on
+    # through the ReduceScatter (x + s + 64 at the last Relu, below that).
+    want = 128 + (128 + 128 if inplace else 3 * 128)
+    assert reference_peak_memory(fn) == {0: want, 1: want}
+    topology = dj.Topology.uniform(2)
+    result = dj.simulate(dj.lower(fn, topology), dj.Hardware.from_topology(topology))
+    np.testing.assert_array_equal(np.asarray(result.peak_memory), [[want, want]])
+
+
 def test_cast_changes_only_the_dtype():
     # Data movement: each element read in one dtype and written in the other, no flops.
     outs, feats = features("Cast", (TensorType((10, 10), "bf16", 3),), dtype="f32")

@@ -289,6 +289,11 @@ def test_training_precision_sets_state_and_gradient_dtypes(optimizer, precision)
             if op.op_type in ("AllReduce", "ReduceScatter") and ".grad" in op.inputs[0].name
         }
         assert grads == sums == reduced == {grad_dtype}
+        # Gradients are summed into their running sums and ZeRO-scattered in place.
+        accumulate = [op for op in ops if op.op_type == "Add" and ".acc" in op.outputs[0].name]
+        scatter = [op for op in ops if op.op_type == "ReduceScatter"]
+        assert accumulate and bool(scatter) == zero
+        assert all(op.attr("inplace") for op in accumulate + scatter)
         state_bytes_held[zero] = sum(int(v.type.num_bytes) for v in dist.function.inputs if _is_state(v.name))
     # Two data-parallel replicas hold the state twice; under ZeRO once, in halves.
     assert state_bytes_held[False] == 2 * state_bytes_held[True] or state_bytes == 0

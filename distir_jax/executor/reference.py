@@ -27,7 +27,7 @@ import numpy as np
 
 from distir_jax.cost import inverse_bandwidth, op_seconds
 from distir_jax.ir.function import Function, Op
-from distir_jax.ir.registry import get_spec
+from distir_jax.ir.registry import get_spec, output_aliases
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.typecheck import infer_types
 from distir_jax.ir.types import has_variants
@@ -153,7 +153,7 @@ def reference_peak_memory(fn: Function) -> dict[int, float]:
         pinned.add(v.name)
         live[v.type.device] += size[v.name]
     for op in fn.ops:
-        aliases = dict(get_spec(op.op_type).aliases)
+        aliases = output_aliases(get_spec(op.op_type), op.attr_dict, len(op.outputs))
         for o, v in enumerate(op.outputs):
             if o in aliases:
                 buffer_of[v.name] = buffer_of[op.inputs[aliases[o]].name]

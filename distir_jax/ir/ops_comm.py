@@ -177,7 +177,10 @@ register(
 # ReduceScatter: member i gets part i of the sum, split along `axis`. With
 # pad=True a dimension the group does not divide is padded with zeros to the
 # next multiple first (as ZeRO implementations pad their flat buffers): the
-# last members' parts end in zeros, and the ring moves the padded bytes.
+# last members' parts end in zeros, and the ring moves the padded bytes. With
+# inplace=True each member's part is written into its operand's buffer, as
+# ZeRO's gradient buffers are (Megatron-LM's distributed optimizer): no new
+# memory, and the operand's bytes stay live while its part is used.
 
 
 def _reducescatter_infer(attrs, ins):
@@ -209,6 +212,10 @@ def _padded_bytes(ins, outs, group):
     return np.maximum(ins[0].num_bytes, outs[0].num_bytes * group)
 
 
+def _in_place(attrs, num_outputs):
+    return tuple((i, i) for i in range(num_outputs)) if attrs.get("inplace") else ()
+
+
 register(
     OpSpec(
         "ReduceScatter",
@@ -216,6 +223,7 @@ register(
         _ring(lambda g: (g - 1) / g, 1, _padded_bytes),
         _reducescatter_eval,
         single_device=False,
+        aliases=_in_place,
     )
 )
 

@@ -76,7 +76,10 @@ class OpSpec:
       num_inputs: exact operand count, or ``None`` for variadic ops.
       single_device: operands and results must all live on one device.
       aliases: ``(output, input)`` pairs whose buffers are shared (in-place
-        updates): the output allocates no new memory.
+        updates): the output allocates no new memory, and the input's buffer
+        lives as long as either is used. Or ``(attrs, num_outputs) -> pairs``
+        for ops that work in place when their attributes say so (see
+        :func:`output_aliases`).
     """
 
     name: str
@@ -85,7 +88,7 @@ class OpSpec:
     evaluate: Callable[[Attrs, Sequence[np.ndarray]], Sequence[np.ndarray]]
     num_inputs: int | None = None
     single_device: bool = True
-    aliases: tuple[tuple[int, int], ...] = ()
+    aliases: tuple[tuple[int, int], ...] | Callable[[Attrs, int], tuple[tuple[int, int], ...]] = ()
 
 
 _REGISTRY: dict[str, OpSpec] = {}
@@ -96,6 +99,13 @@ def register(spec: OpSpec) -> OpSpec:
         raise ValueError(f"op type {spec.name!r} is already registered")
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def output_aliases(spec: OpSpec, attrs: Attrs, num_outputs: int) -> dict[int, int]:
+    """``output -> input`` index of the outputs of an op of type ``spec`` that
+    share their input's buffer (:attr:`OpSpec.aliases`)."""
+    aliases = spec.aliases
+    return dict(aliases(attrs, num_outputs) if callable(aliases) else aliases)
 
 
 def get_spec(op_type: str) -> OpSpec:

@@ -92,8 +92,8 @@ class LayerFeatures:
         :meth:`layer_costs`.
       backward_rise, backward_net: ``[3, 2, 2, S]`` a part's backward memory by
         ``[part, later microbatch, input freed here]``: a later microbatch adds
-        each weight gradient to the running sum right after computing it (a
-        new sum next to the old one and the gradient: often the stage's peak);
+        each weight gradient to the running sum right after computing it (in
+        place; then the gradient goes);
         see ``output_used_by_own_backward`` for the input.
       segments: per part, its backward cut after each weight gradient
         (:class:`~distir_jax.transforms.coarse_segments.PartSegments`), for

@@ -11,10 +11,10 @@ Memory is the fine program's (tests hold peaks to 1e-9 of the exact
 engine's, device by device): forward stashes, backward frees and transients
 are the fine block's own events, chained through a chunk's blocks, with a
 later microbatch's additions into the gradient sums replayed op by op
-(:mod:`coarse_segments`); messages, weights, optimizer state, gradients, each
-data-parallel collective's output buffer and ZeRO's all-gathered weights (a
-new buffer next to the old weight, as the fine IR's collectives never write
-in place) are counted as the transforms emit them.
+(:mod:`coarse_segments`, in place); messages, weights, optimizer state,
+gradients, each all-reduce's output buffer (ZeRO reduce-scatters in place)
+and ZeRO's all-gathered weights (a new buffer next to the old weight) are
+counted as the transforms emit them.
 """
 
 from __future__ import annotations
@@ -754,11 +754,11 @@ def _segment_values(features: LayerFeatures, later: int, data: int, zero: bool) 
         u_alloc[:, i] = seg.rise[later, freed, j]
         u_free[:, i] = seg.rise[later, freed, j] - seg.net[later, freed, j]
         grad = seg.grads[j]
-        if grad is not None:  # its reduction writes a new buffer (a ZeRO shard: 1/d, padded), then it goes
-            nbytes = float(np.max(grad.num_bytes))
+        if grad is not None:
             r_cost[i] = _collective("ReduceScatter" if zero else "AllReduce", grad, data)
-            r_alloc[i] = zero_shard(nbytes, int(grad.shape[0]), data) if zero else nbytes
-            r_free[i] = nbytes
+            if not zero:  # the all-reduce writes a new buffer, then the gradient goes
+                # (ZeRO reduce-scatters in place: the gradient lives until its update)
+                r_alloc[i] = r_free[i] = float(np.max(grad.num_bytes))
     out = (u_cost, u_alloc, u_free, r_cost, r_alloc, r_free)
     for x in out:
         x.setflags(write=False)
@@ -780,7 +780,7 @@ def _update_values(features: LayerFeatures, data: int) -> tuple:
         grad = features.segments[q].grads[j]
         rows = int(grad.shape[0])  # ZeRO pads rows the degree does not divide
         w_cost[:, i] = np.where(scaled, zero_shard(update, rows, data), update)
-        w_free[i] = zero_shard(float(np.max(grad.num_bytes)), rows, data)  # the gradient shard
+        w_free[i] = float(np.max(grad.num_bytes))  # the gradient, whose buffer holds its shard
         # The updated weight's shard, in the weight's dtype (the gradient's may be wider).
         shard = TensorType((-(-rows // data), *grad.shape[1:]), features.model.dtype, grad.device)
         g_cost[i] = _collective("AllGather", shard, data)
@@ -810,81 +810,33 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
 def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool) -> np.ndarray:
     """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
 
-    The data-parallel transform reduces gradients one by one in the order they
-    were produced (a stage's later chunks first, each chunk's parts in
-    backward order), each collective writing a new buffer and freeing the
-    gradient: an all-reduce output as large as the gradient, a ZeRO
-    reduce-scatter output ``1 / d`` of it, or ``ceil(rows / d)`` rows where ZeRO
-    pads them (so the level falls as it goes).
+    Without ZeRO the data-parallel transform all-reduces the gradients one by
+    one, each collective writing a new buffer as large as its gradient and
+    then freeing the gradient: a stage rises by its largest gradient. ZeRO
+    reduce-scatters in place: no rise.
     """
-    if not features.per_layer:  # depends on the gradients only: shared by recompute policies and sizes
-        rows = features.grad_rows if zero else None
-        ends = features.ends_are_blocks
-        return _part_reduction_peak(features.grad_order, rows, ends, layers, p, data, zero)
-    return _layer_reduction_peak(features, layers, p, data, zero)
-
-
-def _layer_reduction_peak(
-    features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool
-) -> np.ndarray:
-    extra = np.zeros(p)
-    for stage in range(p):
-        g = np.asarray(layer_stage_grads(features, layers, stage, p), np.float64)
-        rows = layer_stage_grads(features, layers, stage, p, rows=True) if zero else None
-        extra[stage] = max(0.0, float(_reduction_rise(g, rows, data, zero)[0]))
+    if zero:
+        extra = np.zeros(p)
+    elif not features.per_layer:  # depends on the gradients only: shared by recompute policies and sizes
+        return _part_reduction_peak(features.grad_order, features.ends_are_blocks, layers, p)
+    else:
+        grads = [layer_stage_grads(features, layers, stage, p) for stage in range(p)]
+        extra = np.asarray([max(g, default=0.0) for g in grads], np.float64)
     extra.setflags(write=False)  # cached
     return extra
 
 
-def _reduction_rise(g: np.ndarray, rows, data: int, zero: bool) -> tuple[float, float]:
-    """Gradients of ``g`` bytes reduced one by one, each collective writing its output
-    (the gradient, or its ZeRO shard: ``1 / d`` of it, or ``ceil(rows / d)`` rows
-    where its rows are padded) and then freeing the gradient: ``(the highest the
-    level gets above where it started, the bytes released in all)``."""
-    if zero and rows is not None and any(int(r) % data for r in rows):
-        out = np.asarray([zero_shard(x, int(r), data) for x, r in zip(g, rows, strict=True)], np.float64)
-        net, total = g - out, (g - out).sum()
-    else:
-        fraction = 1.0 / data if zero else 1.0
-        out, net, total = g * fraction, g * (1.0 - fraction), g.sum() * (1.0 - fraction)
-    released = np.concatenate([[0.0], np.cumsum(net)[:-1]])
-    return np.max(out - released, initial=-np.inf), total
-
-
 @functools.lru_cache(maxsize=4096)
-def _part_reduction_peak(
-    grad_order: tuple,
-    grad_rows: tuple | None,
-    ends_are_blocks: bool,
-    layers: tuple,
-    p: int,
-    data: int,
-    zero: bool,
-) -> np.ndarray:
-    # A stage's gradients come in runs (per chunk: its head, its blocks, its
-    # embedding), each repeating one part's gradients. Every repetition starts
-    # after more has been released than the one before, so a run peaks in its
-    # first: the part's own peak ``rise``, less what earlier runs released.
+def _part_reduction_peak(grad_order: tuple, ends_are_blocks: bool, layers: tuple, p: int) -> np.ndarray:
+    """:func:`_reduction_peak` without ZeRO, by part: each stage's largest gradient."""
     n = len(layers)
     if n % p:
         raise ValueError(f"{n} chunks do not split evenly over {p} stages")
-    coef = _block_coefficients(layers, ends_are_blocks)  # [n, 3]
-    parts = (_HEAD, _BLOCK, _EMBED)
-    rise, total = np.full(3, -np.inf), np.zeros(3)
-    for part in parts:
-        g = np.asarray(grad_order[part], np.float64)
-        if not len(g):
-            continue
-        rise[part], total[part] = _reduction_rise(
-            g, None if grad_rows is None else grad_rows[part], data, zero
-        )
-    # [stage, run]: a stage's chunks latest first, each chunk's parts in backward order.
-    chunks = np.arange(p)[:, None] + p * np.arange(n // p - 1, -1, -1)[None, :]
-    counts = coef[chunks][:, :, parts].reshape(p, -1)
-    part = np.tile(parts, n // p)
-    released = np.cumsum(counts * total[part], axis=1) - counts * total[part]
-    peaks = np.where(counts > 0, rise[part] - released, -np.inf)
-    extra = np.maximum(np.max(peaks, axis=1), 0.0)
+    coef = _block_coefficients(layers, ends_are_blocks)  # [n, 3]: the parts each chunk holds
+    largest = np.asarray([max(grad_order[q], default=0.0) for q in range(3)], np.float64)
+    stages = np.arange(n) % p
+    extra = np.zeros(p)
+    np.maximum.at(extra, stages, np.max(np.where(coef > 0, largest[None, :], 0.0), axis=1))
     extra.setflags(write=False)  # cached
     return extra
 

@@ -5,8 +5,8 @@ Two users:
 * Memory of a backward pass in the variants a coarse program needs but the
   measured block does not contain: on a later microbatch each weight
   gradient is added to the running sum right after it is computed (the
-  pipeline transform's ``Add``: a new sum next to the old one and the
-  gradient, often a stage's peak), and on the first block of a pipeline chunk
+  pipeline transform's ``Add(inplace=True)``: into the sum, after which the
+  gradient goes), and on the first block of a pipeline chunk
   a received input is freed after its last read (when the sender's own
   backward keeps the original, as an MLP's Relu output).
 * Gradient overlap: the data-parallel transform issues each gradient's
@@ -104,10 +104,8 @@ class BackwardOps:
             if input_freed:
                 level = level - self.input_freed.get(i, 0.0)
             for grad in self.grads.get(i, ()):
-                if later:  # the Add into the running sum: new sum, then gradient and old sum go
-                    nbytes = np.asarray(grad.type.num_bytes, np.float64)
-                    peak = np.maximum(peak, level + nbytes)
-                    level = level - nbytes
+                if later:  # the Add into the running sum, in place: then the gradient goes
+                    level = level - np.asarray(grad.type.num_bytes, np.float64)
                 if cuts:
                     rises.append(peak)
                     nets.append(level)

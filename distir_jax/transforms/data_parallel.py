@@ -33,20 +33,23 @@ other transforms already spread over several devices:
   larger gradient forms its own bucket), change the dtype, or need more than
   :data:`MAX_BUCKET_PIECES` pieces. Unlike PyTorch's DDP, whose gradients are
   views into the bucket, the cut-back copies cost memory traffic here.
-* **ZeRO-1** (``zero``). Gradients are reduce-scattered along axis 0, each
-  replica updates its shard with its shard of the optimizer state (Adam's
-  ``m`` and ``v``, and a mixed-precision update's f32 master copy, become
-  per-replica inputs) and of the weight, a shard ``{w}.dp{r}.master`` (ZeRO
-  partitions the master weights with the optimizer state; with mixed
-  precision this is the half-precision shard the update writes, next to the
-  f32 master's), then the updated weight shards are all-gathered. Collectives do
-  not alias their operands, so the gathered weight is a new buffer: at the end
-  of the step the weight is counted twice. A weight whose rows the degree
-  does not divide is padded with zero rows to the next multiple, as ZeRO
-  implementations pad their flat buffers: shards of ``ceil(rows / degree)``
-  rows (``ReduceScatter(pad=True)``; the padded rows' gradient, state and
-  update stay zero), and the gather keeps the first ``rows``
-  (``AllGather(size=rows)``); sharded outputs are rebuilt the same way.
+* **ZeRO-1** (``zero``). Gradients are reduce-scattered along axis 0 in
+  place (``ReduceScatter(inplace=True)``: each shard is part of its
+  gradient's buffer, which lives until the update, as in ZeRO's flat
+  gradient buffers). Each replica updates its shard with its shard of the
+  optimizer state (Adam's ``m`` and ``v``, and a mixed-precision update's f32
+  master copy, become per-replica inputs) and of the weight, a shard
+  ``{w}.dp{r}.master`` (ZeRO partitions the master weights with the optimizer
+  state; with mixed precision this is the half-precision shard the update
+  writes, next to the f32 master's), then the updated weight shards are
+  all-gathered. The all-gather does not write in place, so the gathered
+  weight is a new buffer: at the end of the step the weight is counted
+  twice. A weight whose rows the degree does not divide is padded with zero
+  rows to the next multiple, as ZeRO implementations pad their flat buffers:
+  shards of ``ceil(rows / degree)`` rows (``ReduceScatter(pad=True)``; the
+  padded rows' gradient, state and update stay zero), and the gather keeps
+  the first ``rows`` (``AllGather(size=rows)``); sharded outputs are rebuilt
+  the same way.
 
 Symmetry reduction (``representative_only``): only replica 0 is built, and
 each new collective carries ``group`` = its full group's devices, numbered as
@@ -503,7 +506,8 @@ class _Replicator:
         values = [self.env[r][grad.name] for r in self.replicas]
         names = [f"{grad.name}.dp{r}.shard" for r in self.replicas]
         pad = zero_scatter_attrs(grad.type, self.degree)
-        outs = self._collective("ReduceScatter", values, names, grad, "bwd", axis=0, **pad)
+        # In place: the shard is part of the gradient's buffer, which lives until the update.
+        outs = self._collective("ReduceScatter", values, names, grad, "bwd", axis=0, inplace=True, **pad)
         for r, out in zip(self.replicas, outs, strict=True):
             self.env[r][grad.name] = out
         self.ready.add(grad.name)

@@ -10,9 +10,10 @@ memory model frees a buffer after its last consumer, so the activations a
 schedule keeps in flight (``k`` per stage for GPipe, ``p - s`` for 1F1B)
 follow from the issue order alone.
 
-Weight gradients are summed over microbatches by ``Add`` ops in microbatch
-order (a running sum, issued as soon as the next microbatch's gradient
-exists), then each weight gets its single optimizer op. Loss ops get
+Weight gradients are summed over microbatches by ``Add(inplace=True)`` ops in
+microbatch order (a running sum, issued as soon as the next microbatch's
+gradient exists, added into in place as frameworks accumulate gradients),
+then each weight gets its single optimizer op. Loss ops get
 ``shards *= k``, so the microbatch losses and gradients add up to the
 original's.
 
@@ -413,7 +414,8 @@ class _Builder:
                 state["total"] = part
             else:
                 total = f"{name}.acc{m}"
-                attrs = dict(_phase_attrs(op), stage=stage, chunk=chunk, microbatch=m)
+                # In place, as gradients accumulate (Megatron-LM's main_grad.add_): no second sum.
+                attrs = dict(_phase_attrs(op), stage=stage, chunk=chunk, microbatch=m, inplace=True)
                 self._emit("Add", [state["total"], part], [total], attrs)
                 state["total"] = total
             state["next"] += 1
