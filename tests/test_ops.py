@@ -284,6 +284,8 @@ BAD = [
     ("Gelu", [((3,), INT)], {}, ["i32"]),
     ("Scale", [((3,), F)], {}, ["factor"]),
     ("Scale", [((3,), F)], {"factor": "big"}, ["factor='big'"]),
+    ("Add", [((1, 4), F), ((8, 4), F)], {"inplace": True}, ["first operand", "[8, 4]", "[1, 4]"]),
+    ("Add", [((4,), F), ((8, 4), F)], {"inplace": True}, ["first operand", "[8, 4]", "[4]"]),
     ("Cast", [((3,), F)], {}, ["Cast", "dtype=None"]),
     ("Cast", [((3,), F)], {"dtype": "i32"}, ["dtype='i32'", "bf16"]),
     ("Cast", [((3,), INT)], {"dtype": "f32"}, ["Cast's operand", "i32"]),

@@ -117,7 +117,14 @@ register(OpSpec("MatMul", _matmul_infer, _matmul_features, _matmul_eval, num_inp
 def _binary_infer(attrs, ins):
     a, b = ins
     dtype = require_same_dtype(ins)
-    return (TensorType(broadcast_shapes(a.shape, b.shape), dtype, a.device),)
+    shape = broadcast_shapes(a.shape, b.shape)
+    same = len(shape) == len(a.shape) and all(dims_equal(x, y) for x, y in zip(shape, a.shape, strict=True))
+    if attrs.get("inplace") and not same:
+        raise OpError(
+            f"inplace=True writes the result into the first operand, so it needs the result's shape "
+            f"{shape_str(shape)}; got {shape_str(a.shape)} (broadcast against {shape_str(b.shape)})"
+        )
+    return (TensorType(shape, dtype, a.device),)
 
 
 def _binary_features(attrs, ins, outs):
