@@ -14,7 +14,7 @@ import numpy as np
 
 from distir_jax.ir import Function
 from distir_jax.lower import lower
-from distir_jax.models import MLPConfig, TransformerConfig, get_model_config
+from distir_jax.models import MLPConfig, TransformerConfig
 from distir_jax.models.config import HALF_DTYPES
 from distir_jax.transforms.coarse import SplitBlockError
 from search._programs import compact, stack_rows
@@ -435,13 +435,6 @@ def make_config(
     ):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
-    model_dtype = dtype or (get_model_config(model) if isinstance(model, str) else model).dtype
-    if training_precision not in (None, "full") and model_dtype not in HALF_DTYPES:
-        # A space applies it to the bf16 / f16 rows it has; one configuration would drop it silently.
-        raise ValueError(
-            f"training_precision={training_precision!r} chooses how a bf16 / f16 model trains; "
-            f"{model_dtype} models train in full precision: give dtype bf16 or f16, or no training_precision"
-        )
     product = data * tensor * pipeline
     if world_size is not None and product != world_size:
         raise ValueError(
@@ -474,7 +467,14 @@ def make_config(
         hardware=(hardware,),
         optimizer=(optimizer,),
     )
-    return next(enumerate_configs(space))  # degrees whose product is the world size: one row
+    config = next(enumerate_configs(space))  # degrees whose product is the world size: one row
+    if training_precision not in (None, "full") and config.dtype not in HALF_DTYPES:
+        # A space applies it to the bf16 / f16 rows it has; one configuration would drop it silently.
+        raise ValueError(
+            f"training_precision={training_precision!r} chooses how a bf16 / f16 model trains; "
+            f"{config.dtype} models train in full precision: give dtype bf16 or f16, or no training_precision"
+        )
+    return config
 
 
 def _check_int(name: str, value, allow_none: bool = False) -> None:

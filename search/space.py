@@ -377,10 +377,8 @@ def resolve_model(model: ModelSpec, dtype: str | None, seq_len: int | None, prec
     changes = {}
     if dtype is not None and dtype != config.dtype:
         changes["dtype"] = dtype
-    if (dtype or config.dtype) not in HALF_DTYPES:
-        precision = None  # full precision: a half-precision model's choice does not carry over
-    else:  # spelled out, so that rows made by hand resolve to the same config
-        precision = precision or config.training_precision or precisions_for(dtype or config.dtype)[0]
+    # Spelled out, so that rows made by hand resolve to the same config.
+    precision = _asked_precision(config, dtype, precision)
     if precision != config.training_precision:
         changes["training_precision"] = precision
     if seq_len is not None and isinstance(config, TransformerConfig) and seq_len != config.seq_len:
@@ -495,12 +493,20 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
                     yield config.with_reason(reason) if reason else config
 
 
+def _asked_precision(config, dtype: str | None, precision: str | None) -> str | None:
+    """The training precision a row asks of model ``config`` in ``dtype`` (None: its own):
+    None for full precision (a half-precision model's choice does not carry over to
+    f32), else the row's, the model's own or the dtype's default."""
+    dtype = dtype or config.dtype
+    if dtype not in HALF_DTYPES:
+        return None
+    return precision or config.training_precision or precisions_for(dtype)[0]
+
+
 def _requested(model: ModelSpec, dtype: str | None, precision: str | None) -> tuple[str, str]:
     """``(dtype, training precision)`` of a row whose model does not resolve."""
     config = get_model_config(model) if isinstance(model, str) else model
-    dtype = dtype or config.dtype
-    own = config.training_precision if dtype == config.dtype else None
-    return str(dtype), str(precision or own or precisions_for(dtype)[0])
+    return str(dtype or config.dtype), str(_asked_precision(config, dtype, precision) or "full")
 
 
 def constraint_reason(config: Config) -> str:

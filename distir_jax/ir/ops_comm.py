@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, register
+from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, aliases_if_inplace, register
 from distir_jax.ir.shape_rules import normalize_axis, require_same_dtype, same_shape
 from distir_jax.ir.types import TensorType, dim_divides, dim_str
 
@@ -212,10 +212,6 @@ def _padded_bytes(ins, outs, group):
     return np.maximum(ins[0].num_bytes, outs[0].num_bytes * group)
 
 
-def _in_place(attrs, num_outputs):
-    return tuple((i, i) for i in range(num_outputs)) if attrs.get("inplace") else ()
-
-
 register(
     OpSpec(
         "ReduceScatter",
@@ -223,7 +219,7 @@ register(
         _ring(lambda g: (g - 1) / g, 1, _padded_bytes),
         _reducescatter_eval,
         single_device=False,
-        aliases=_in_place,
+        aliases=aliases_if_inplace,
     )
 )
 

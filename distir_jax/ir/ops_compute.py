@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, register
+from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, aliases_if_inplace, register
 from distir_jax.ir.shape_rules import (
     broadcast_shapes,
     elementwise_features,
@@ -131,12 +131,6 @@ def _binary_features(attrs, ins, outs):
     return elementwise_features(ins, outs)
 
 
-def _into_first(attrs, num_outputs):
-    # inplace=True: the result overwrites the first operand (of the result's shape),
-    # as a gradient is added into its running sum (`main_grad.add_(grad)`).
-    return ((0, 0),) if attrs.get("inplace") else ()
-
-
 for _name, _fn in (("Add", np.add), ("Sub", np.subtract), ("Mul", np.multiply), ("Div", np.divide)):
     register(
         OpSpec(
@@ -145,7 +139,9 @@ for _name, _fn in (("Add", np.add), ("Sub", np.subtract), ("Mul", np.multiply), 
             _binary_features,
             (lambda fn: lambda attrs, inputs: (fn(inputs[0], inputs[1]),))(_fn),
             num_inputs=2,
-            aliases=_into_first,
+            # inplace=True: the result overwrites the first operand (of the result's
+            # shape), as a gradient is added into its running sum (`main_grad.add_(grad)`).
+            aliases=aliases_if_inplace,
         )
     )
 

@@ -101,6 +101,13 @@ def register(spec: OpSpec) -> OpSpec:
     return spec
 
 
+def aliases_if_inplace(attrs: Attrs, num_outputs: int) -> tuple[tuple[int, int], ...]:
+    """:attr:`OpSpec.aliases` of ops that work in place when ``inplace=True``: output
+    ``i`` is written into operand ``i`` (an Add into its first operand, a
+    ReduceScatter's parts into their members' operands)."""
+    return tuple((i, i) for i in range(num_outputs)) if attrs.get("inplace") else ()
+
+
 def output_aliases(spec: OpSpec, attrs: Attrs, num_outputs: int) -> dict[int, int]:
     """``output -> input`` index of the outputs of an op of type ``spec`` that
     share their input's buffer (:attr:`OpSpec.aliases`)."""

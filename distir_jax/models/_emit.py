@@ -40,6 +40,7 @@ class Emitter:
         # Mixed precision sums and all-reduces weight gradients in f32: each is
         # cast as the backward emits it (Megatron-LM's main_grad).
         self.grad_dtype = MASTER_DTYPE if precision == "mixed" else dtype
+        self.casts_grads = self.grad_dtype != dtype
         self.layer = 0
         self.phase = "fwd"
         self.weights: list[Value] = []
@@ -70,13 +71,12 @@ class Emitter:
 
     def grad_name(self, weight: Value) -> str:
         """The name of the value the backward computes as ``weight``'s gradient."""
-        cast = self.grad_dtype != self.dtype
-        return f"{weight.name}.grad.{self.dtype}" if cast else f"{weight.name}.grad"
+        return f"{weight.name}.grad.{self.dtype}" if self.casts_grads else f"{weight.name}.grad"
 
     def grad_attrs(self, *weights: Value) -> dict:
         """``grad_of`` for an op computing the gradients of ``weights`` (its last
         outputs), unless each is cast: then the cast carries it."""
-        if self.grad_dtype != self.dtype:
+        if self.casts_grads:
             return {}
         names = tuple(w.name for w in weights)
         return {"grad_of": names[0] if len(names) == 1 else names}
