@@ -21,7 +21,7 @@ import numpy as np
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function
-from distir_jax.ir.registry import cached_features, get_spec, output_aliases
+from distir_jax.ir.registry import cached_features, check_alias_fits, get_spec, output_aliases
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.typecheck import infer_types
 
@@ -344,7 +344,9 @@ def _memory_events(fn: Function, op_devices, k: int, num_devices: int):
                 aliases_of[op.op_type] = aliases
         for o, v in enumerate(op.outputs):
             if o in aliases:
-                buffer_of[v.name] = buffer_of[op.inputs[aliases[o]].name]
+                root = buffer_of[op.inputs[aliases[o]].name]
+                check_alias_fits(op, o, root, size[root])
+                buffer_of[v.name] = root
             else:
                 buffer_of[v.name] = v.name
                 size[v.name] = v.type.num_bytes

@@ -115,7 +115,14 @@ def test_maps_split_data_replicate_weights_and_sum_losses():
     zero = data_parallel(fn, 2, zero=True)
     assert zero.outputs["l1.w.m.new"].kind == "concat"
     assert zero.inputs["l1.w.m.dp1"].splits == ((0, 1, 2),)
-    assert zero.inputs["l1.w.dp1.master"].splits == ((0, 1, 2),)
+    # The shard each replica updates is a view of its weight, gathered back in place.
+    assert "l1.w.dp1.master" not in zero.inputs
+    producer = {v.name: op for op in zero.function.ops for v in op.outputs}
+    shard = producer["l1.w.dp1.master"]
+    assert shard.op_type == "Shard" and shard.inputs[0].name == "l1.w.dp1"
+    assert (shard.attr("axis"), shard.attr("parts"), shard.attr("index")) == (0, 2, 1)
+    gather = producer["l1.w.new.dp1"]
+    assert gather.op_type == "AllGather" and gather.attr("inplace")
 
 
 @pytest.mark.parametrize("config", [MLP, GPT], ids=["mlp", "gpt"])

@@ -48,7 +48,7 @@ def test_registry_has_every_op():
         "TanhGrad", "Scale", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad", "CausalMask", "LayerNorm",
         "LayerNormGrad", "Reshape", "Transpose", "Concat", "Split", "ReduceSum", "MSELoss",
         "MSELossGrad", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Embedding",
-        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce", "Cast",
+        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce", "Cast", "Shard",
     }  # fmt: skip
     assert expected <= set(registered_op_types())
 
@@ -243,6 +243,9 @@ GOOD = [
     ("Transpose", [((2, 3, 4), F)], {"perm": (2, 0, 1)}, [(4, 2, 3)]),
     ("Concat", [((2, 3), F), ((2, 1), F), ((2, 2), F)], {"axis": -1}, [(2, 6)]),
     ("Split", [((6, 4), F)], {"parts": 3}, [(2, 4)] * 3),
+    ("Shard", [((6, 4), F)], {"parts": 3, "index": 2}, [(2, 4)]),
+    ("Shard", [((7, 4), F)], {"parts": 3, "index": 0, "pad": True}, [(3, 4)]),
+    ("Shard", [((2, 6), F)], {"axis": -1, "parts": 2, "index": 1}, [(2, 3)]),
     ("ReduceSum", [((2, 3, 4), F)], {"axes": (0, -1)}, [(3,)]),
     ("ReduceSum", [((2, 3, 4), F)], {"axes": (1,), "keepdims": True}, [(2, 1, 4)]),
     ("MSELoss", [((4, 3), F), ((4, 3), F)], {"shards": 2}, [()]),
@@ -303,6 +306,9 @@ BAD = [
     ("Concat", [((2, 3), F), ((3, 3), F)], {"axis": 1}, ["[2, 3] and [3, 3]"]),
     ("Split", [((5, 4), F)], {"parts": 2}, ["parts=2", "[5, 4]"]),
     ("Split", [((4, 4), F)], {"parts": 0}, ["parts"]),
+    ("Shard", [((4, 4), F)], {"index": 0}, ["Shard needs attribute parts"]),
+    ("Shard", [((4, 4), F)], {"parts": 2, "index": 2}, ["index must be in [0, 1]", "index=2"]),
+    ("Shard", [((5, 4), F)], {"parts": 2, "index": 0}, ["size 5 is not divisible by 2", "pad=True"]),
     ("ReduceSum", [((2, 3), F)], {"axes": (0, 0)}, ["axes"]),
     ("ReduceSum", [((2, 3), F)], {"axes": (3,)}, ["axis 3"]),
     ("MSELoss", [((3, 4), F), ((3, 5), F)], {}, ["[3, 4]", "[3, 5]"]),
@@ -511,6 +517,66 @@ def test_in_place_add_and_reduce_scatter_allocate_nothing(inplace):
     topology = dj.Topology.uniform(2)
     result = dj.simulate(dj.lower(fn, topology), dj.Hardware.from_topology(topology))
     np.testing.assert_array_equal(np.asarray(result.peak_memory), [[want, want]])
+
+
+def test_shard_is_a_padded_view():
+    """Part ``index`` of ``parts`` along ``axis``; with pad=True the parts are those of
+    the value padded with zero rows to a multiple (ZeRO's last shard ends in zeros)."""
+    x = np.arange(14.0).reshape(7, 2)
+    (last,) = run("Shard", x, parts=3, index=2, pad=True)
+    np.testing.assert_array_equal(last, [[12.0, 13.0], [0.0, 0.0], [0.0, 0.0]])
+    (first,) = run("Shard", x, parts=3, index=0, pad=True)
+    np.testing.assert_array_equal(first, x[:3])
+    assert not np.shares_memory(first, x)  # executors never hand out views
+    outs, feats = features("Shard", (TensorType((7, 2), "f32", 0),), parts=3, index=1, pad=True)
+    assert outs == (TensorType((3, 2), "f32", 0),)
+    assert all(value == 0 for value in feats.cost_features().values())  # not even a launch
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_shard_update_and_in_place_all_gather_allocate_nothing(inplace):
+    """ZeRO's weight update: each device updates its shard of the weight (a ``Shard``
+    view) in place and all-gathers the shards; with ``inplace=True`` into the weight's
+    own buffer, else into a new one next to it."""
+    import distir_jax as dj
+    from distir_jax.executor import execute
+    from distir_jax.executor.reference import reference_peak_memory
+
+    b = dj.FunctionBuilder("zero_update")
+    w = [b.input(f"w{d}", (8, 4), device=d) for d in (0, 1)]  # 128 bytes each, resident
+    g = [b.input(f"g{d}", (4, 4), device=d) for d in (0, 1)]  # 64 bytes each, resident
+    shards = [b.add("Shard", w[d], parts=2, index=d) for d in (0, 1)]  # views
+    new = [b.add("Add", shards[d], g[d], inplace=True) for d in (0, 1)]  # into the views
+    gathered = b.add("AllGather", *new, axis=0, inplace=inplace)  # +128 unless in place
+    fn = b.build(*[b.add("Relu", v) for v in gathered])  # +128 a device
+    want = 128 + 64 + (128 if inplace else 2 * 128)
+    assert reference_peak_memory(fn) == {0: want, 1: want}
+    topology = dj.Topology.uniform(2)
+    result = dj.simulate(dj.lower(fn, topology), dj.Hardware.from_topology(topology))
+    np.testing.assert_array_equal(np.asarray(result.peak_memory), [[want, want]])
+    rng = np.random.default_rng(0)
+    arrays = {f"{n}{d}": rng.normal(size=(8 if n == "w" else 4, 4)) for n in "wg" for d in (0, 1)}
+    out = execute(fn, arrays)
+    updated = np.concatenate([arrays["w0"][:4] + arrays["g0"], arrays["w1"][4:] + arrays["g1"]])
+    for v in fn.outputs:
+        np.testing.assert_array_equal(out[v.name], np.maximum(updated, 0.0))
+
+
+def test_in_place_result_larger_than_its_buffer_is_an_error():
+    """An in-place AllGather of values that are not views of a whole-sized buffer
+    would write past them: both memory models refuse it, naming the op and sizes."""
+    import distir_jax as dj
+    from distir_jax.executor.reference import reference_peak_memory
+
+    b = dj.FunctionBuilder("overflow")
+    parts = [b.input(f"p{d}", (4, 4), device=d) for d in (0, 1)]
+    gathered = b.add("AllGather", *parts, axis=0, inplace=True, names=("w0", "w1"))
+    fn = b.build(*gathered)
+    match = r"AllGather op writing %w0 \(128 bytes\) in place shares the buffer of %p0 \(64 bytes\)"
+    with pytest.raises(ValueError, match=match):
+        reference_peak_memory(fn)
+    with pytest.raises(ValueError, match=match):
+        dj.lower(fn, dj.Topology.uniform(2))
 
 
 def test_cast_changes_only_the_dtype():

@@ -27,7 +27,7 @@ import numpy as np
 
 from distir_jax.cost import inverse_bandwidth, op_seconds
 from distir_jax.ir.function import Function, Op
-from distir_jax.ir.registry import get_spec, output_aliases
+from distir_jax.ir.registry import check_alias_fits, get_spec, output_aliases
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.typecheck import infer_types
 from distir_jax.ir.types import has_variants
@@ -156,7 +156,9 @@ def reference_peak_memory(fn: Function) -> dict[int, float]:
         aliases = output_aliases(get_spec(op.op_type), op.attr_dict, len(op.outputs))
         for o, v in enumerate(op.outputs):
             if o in aliases:
-                buffer_of[v.name] = buffer_of[op.inputs[aliases[o]].name]
+                root = buffer_of[op.inputs[aliases[o]].name]
+                check_alias_fits(op, o, root, size[root])
+                buffer_of[v.name] = root
             else:
                 buffer_of[v.name] = v.name
                 size[v.name] = float(v.type.num_bytes)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, aliases_if_inplace, register
-from distir_jax.ir.shape_rules import normalize_axis, require_same_dtype, same_shape
-from distir_jax.ir.types import TensorType, dim_divides, dim_str
+from distir_jax.ir.shape_rules import normalize_axis, require_same_dtype, same_shape, split_dim, split_padded
+from distir_jax.ir.types import TensorType, dim_str
 
 
 def _distinct_devices(ins) -> tuple[int, ...]:
@@ -55,19 +55,6 @@ def _group_size(attrs, ins) -> int:
     """Members of the collective: the full ``group`` when a symmetry-reduced
     program keeps only some of them, else one per operand."""
     return len(attrs["group"]) if "group" in attrs else len(ins)
-
-
-def _split_dim(shape, axis, parts, what, pad=False):
-    """``shape`` with dimension ``axis`` split into ``parts``; with ``pad``, a
-    dimension they do not divide is first padded to the next multiple."""
-    if not pad and not dim_divides(shape[axis], parts):
-        raise OpError(
-            f"{what}: dimension {axis} of size {dim_str(shape[axis])} is not divisible by {parts} "
-            "(pad=True pads it to a multiple)"
-        )
-    shape = list(shape)
-    shape[axis] = -(-shape[axis] // parts)
-    return tuple(shape)
 
 
 def _ring(volume_factor, hops_per_member, moved=lambda ins, outs, group: ins[0].num_bytes):
@@ -138,7 +125,11 @@ register(
 )
 
 # --------------------------------------------------------------------------- #
-# AllGather: every member gets the concatenation along `axis`.
+# AllGather: every member gets the concatenation along `axis`. With
+# inplace=True each member's result is written into the buffer its operand is
+# a view of (a `Shard` of the whole value, as ZeRO gathers updated weight
+# shards into the weight's own buffer): no new memory. The memory model checks
+# that the buffer holds the result (`lower`, the reference simulator).
 
 
 def _allgather_infer(attrs, ins):
@@ -170,6 +161,7 @@ register(
         _ring(lambda g: g - 1, 1),
         _allgather_eval,
         single_device=False,
+        aliases=aliases_if_inplace,
     )
 )
 
@@ -186,19 +178,8 @@ register(
 def _reducescatter_infer(attrs, ins):
     _group_inputs(ins, "ReduceScatter", attrs)
     axis = normalize_axis(int(attrs.get("axis", 0)), ins[0].rank)
-    shape = _split_dim(ins[0].shape, axis, _group_size(attrs, ins), "ReduceScatter", bool(attrs.get("pad")))
+    shape = split_dim(ins[0].shape, axis, _group_size(attrs, ins), "ReduceScatter", bool(attrs.get("pad")))
     return tuple(t.with_shape(shape) for t in ins)
-
-
-def split_padded(value: np.ndarray, parts: int, axis: int) -> list[np.ndarray]:
-    """``value`` split into ``parts`` equal parts along ``axis``, zero-padded first to
-    a multiple of ``parts`` where they do not divide it (ZeRO's shards)."""
-    missing = -value.shape[axis] % parts
-    if missing:
-        widths = [(0, 0)] * value.ndim
-        widths[axis] = (0, missing)
-        value = np.pad(value, widths)
-    return np.split(value, parts, axis=axis)
 
 
 def _reducescatter_eval(attrs, inputs):
@@ -233,7 +214,7 @@ def _alltoall_infer(attrs, ins):
     split_axis = normalize_axis(int(attrs.get("split_axis", 0)), rank)
     concat_axis = normalize_axis(int(attrs.get("concat_axis", 0)), rank)
     g = _group_size(attrs, ins)
-    shape = list(_split_dim(ins[0].shape, split_axis, g, "AllToAll"))
+    shape = list(split_dim(ins[0].shape, split_axis, g, "AllToAll"))
     shape[concat_axis] = shape[concat_axis] * g
     return tuple(t.with_shape(shape) for t in ins)
 
@@ -282,7 +263,7 @@ def _scatter_infer(attrs, ins):
     (x,) = ins
     devices = _device_list(attrs, "devices", "Scatter")
     axis = normalize_axis(int(attrs.get("axis", 0)), x.rank)
-    shape = _split_dim(x.shape, axis, len(devices), "Scatter")
+    shape = split_dim(x.shape, axis, len(devices), "Scatter")
     return tuple(TensorType(shape, x.dtype, d) for d in devices)
 
 

@@ -1,4 +1,4 @@
-"""Layout op types: Reshape, Transpose, Concat, Split and ReduceSum.
+"""Layout op types: Reshape, Transpose, Concat, Split, Shard and ReduceSum.
 
 Shape attributes are plain ints; size variants enter only through the operand
 types, so ``Reshape``'s ``-1`` is where a variant dimension flows through.
@@ -16,6 +16,8 @@ from distir_jax.ir.shape_rules import (
     normalize_axis,
     require_same_dtype,
     shape_str,
+    split_dim,
+    split_padded,
 )
 from distir_jax.ir.types import dim_divides, dim_str, dims_equal
 
@@ -156,6 +158,40 @@ register(
             _copy(p) for p in np.split(inputs[0], int(attrs["parts"]), axis=int(attrs.get("axis", 0)))
         ),
         num_inputs=1,
+    )
+)
+
+# --------------------------------------------------------------------------- #
+# Shard(x; axis=0, parts, index, pad=False): part `index` of `parts` equal parts
+# of x along `axis`, as a view (ZeRO's shard of a weight, which the update
+# writes in place and an in-place AllGather then fills back). With pad=True a
+# dimension `parts` does not divide is padded with zeros to the next multiple
+# first, as ZeRO pads its flat buffers; the view still counts only x's bytes.
+
+
+def _shard_infer(attrs, ins):
+    (x,) = ins
+    parts = int_attr(attrs, "parts", "Shard", minimum=1)
+    index = int_attr(attrs, "index", "Shard", minimum=0)
+    if index >= parts:
+        raise OpError(f"Shard's index must be in [0, {parts - 1}] for parts={parts}, got index={index}")
+    axis = normalize_axis(int_attr(attrs, "axis", "Shard", 0), x.rank)
+    return (x.with_shape(split_dim(x.shape, axis, parts, "Shard", bool(attrs.get("pad")))),)
+
+
+def _shard_eval(attrs, inputs):
+    parts = split_padded(inputs[0], int(attrs["parts"]), int(attrs.get("axis", 0)))
+    return (_copy(parts[int(attrs["index"])]),)
+
+
+register(
+    OpSpec(
+        "Shard",  # (x; axis=0, parts, index, pad=False) -> one part, a view
+        _shard_infer,
+        lambda attrs, ins, outs: OpFeatures(launches=0),  # an offset into x: no kernel at all
+        _shard_eval,
+        num_inputs=1,
+        aliases=((0, 0),),  # a view: the result shares its operand's buffer
     )
 )
 

@@ -115,6 +115,28 @@ def output_aliases(spec: OpSpec, attrs: Attrs, num_outputs: int) -> dict[int, in
     return dict(aliases(attrs, num_outputs) if callable(aliases) else aliases)
 
 
+def check_alias_fits(op, output: int, root: str, root_bytes) -> None:
+    """Raises ValueError unless ``op``'s output ``output``, which shares the buffer of
+    value ``root`` (:func:`output_aliases`, followed to its owner), fits in it: an op
+    writing in place into a smaller buffer would make the memory model undercount."""
+    value = op.outputs[output]
+    need = value.type.num_bytes
+    if isinstance(need, (int, float)) and isinstance(root_bytes, (int, float)) and need <= root_bytes:
+        return  # the common case, without NumPy
+    if np.any(np.asarray(need) > np.asarray(root_bytes)):
+        raise ValueError(
+            f"{op.op_type} op writing %{value.name} ({_bytes_str(value.type.num_bytes)}) in place "
+            f"shares the buffer of %{root} ({_bytes_str(root_bytes)}), which is smaller: an in-place "
+            "result must fit in the buffer it is written into (an in-place AllGather's operand must be "
+            "a Shard of a value of the result's size)"
+        )
+
+
+def _bytes_str(value) -> str:
+    values = np.unique(np.asarray(value, np.float64))
+    return f"{values[0]:.0f} bytes" if values.size == 1 else f"{values.tolist()} bytes"
+
+
 def get_spec(op_type: str) -> OpSpec:
     _ensure_loaded()
     try:

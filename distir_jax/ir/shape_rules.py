@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from distir_jax.ir.registry import OpError, OpFeatures
-from distir_jax.ir.types import Dim, TensorType, dim_str, dims_equal
+from distir_jax.ir.types import Dim, TensorType, dim_divides, dim_str, dims_equal
 
 
 def shape_str(shape: Sequence[Dim]) -> str:
@@ -66,3 +68,27 @@ def elementwise_features(ins, outs, flops_per_element: float = 1.0) -> OpFeature
 def free_features(ins, outs) -> OpFeatures:
     """Views (reshape) move no data: only the launch overhead remains."""
     return OpFeatures()
+
+
+def split_dim(shape: Sequence[Dim], axis: int, parts: int, what: str, pad: bool = False) -> tuple[Dim, ...]:
+    """``shape`` with dimension ``axis`` split into ``parts``; with ``pad``, a
+    dimension they do not divide is first padded to the next multiple."""
+    if not pad and not dim_divides(shape[axis], parts):
+        raise OpError(
+            f"{what}: dimension {axis} of size {dim_str(shape[axis])} is not divisible by {parts} "
+            "(pad=True pads it to a multiple)"
+        )
+    shape = list(shape)
+    shape[axis] = -(-shape[axis] // parts)
+    return tuple(shape)
+
+
+def split_padded(value: np.ndarray, parts: int, axis: int) -> list[np.ndarray]:
+    """``value`` split into ``parts`` equal parts along ``axis``, zero-padded first to
+    a multiple of ``parts`` where they do not divide it (ZeRO's shards)."""
+    missing = -value.shape[axis] % parts
+    if missing:
+        widths = [(0, 0)] * value.ndim
+        widths[axis] = (0, missing)
+        value = np.pad(value, widths)
+    return np.split(value, parts, axis=axis)

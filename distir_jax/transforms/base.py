@@ -30,7 +30,7 @@ from typing import Union
 import numpy as np
 
 from distir_jax.ir.function import Function
-from distir_jax.ir.ops_comm import split_padded
+from distir_jax.ir.shape_rules import split_padded
 
 Split = tuple[int, int, int]  # (axis, index, parts)
 

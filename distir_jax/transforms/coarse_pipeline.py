@@ -43,8 +43,9 @@ stage * t + tp``); only tensor rank 0 of replica 0 is simulated, one device
 per stage, and every collective is costed on its full group's slowest link.
 
 Memory per stage device: resident weights and optimizer state (ZeRO: a
-``1 / d`` shard of the state plus a master-weight shard, as the data-parallel
-transform keeps them) and the microbatches' tokens / labels; gradients are
+``1 / d`` shard of the state; the weight shard an update writes is a view of
+the weight, gathered back in place, as the data-parallel transform emits
+them) and the microbatches' tokens / labels; gradients are
 allocated by a chunk's first backward and freed by the update; each forward
 keeps what the fine block's memory events say it keeps until the matching
 backward frees it, so GPipe's and 1F1B's stashes follow from the issue order;

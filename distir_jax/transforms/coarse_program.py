@@ -12,8 +12,8 @@ engine's, device by device): forward stashes, backward frees and transients
 are the fine block's own events, chained through a chunk's blocks, with a
 later microbatch's additions into the gradient sums replayed op by op
 (:mod:`coarse_segments`, in place); messages, weights, optimizer state,
-gradients, each all-reduce's output buffer (ZeRO reduce-scatters in place)
-and ZeRO's all-gathered weights (a new buffer next to the old weight) are
+gradients and each all-reduce's output buffer (ZeRO reduce-scatters, updates
+and all-gathers in place, its weight shards views of the weights) are
 counted as the transforms emit them.
 """
 
@@ -510,10 +510,10 @@ def mode_rows(
         # Without ZeRO the reduction's peak does not depend on the degree (cache key).
         key = (int(data[i]), True) if zero[i] else (1, False)
         extra[i] = _reduction_peak(features, layers, p, *key)
-    sharded = (zero & (data > 1))[:, None]
-    resident = params + state / shard[:, None] + np.where(sharded, params / shard[:, None], 0.0)  # [M, p]
-    for i, (param_shard, state_shard, _) in padded:  # the master and state shards, padded rows included
-        resident[i] = params + base.stage_coef @ state_shard + base.stage_coef @ param_shard
+    # ZeRO's weight shards are views of the weights: only the state is sharded.
+    resident = params + state / shard[:, None]  # [M, p]
+    for i, (_, state_shard, _) in padded:  # the state shards, padded rows included
+        resident[i] = params + base.stage_coef @ state_shard
     data_inputs = k * features.data_bytes  # [S]
     resident = np.repeat(resident[:, None], s, axis=1)
     resident[:, :, 0] += data_inputs  # tokens, on the first chunk's stage
@@ -700,10 +700,10 @@ def _with_segments(
     cost[:, total : 2 * total] = r_cost[seg_at]
     alloc[:, total : 2 * total, 0], free[:, total : 2 * total, 0] = r_alloc[seg_at], r_free[seg_at]
     if weights:  # ZeRO: each replica updates its shard in place, then all-gathers the weight
-        w_cost, w_free, g_cost, g_alloc = _update_values(features, int(data))
+        w_cost, w_free, g_cost = _update_values(features, int(data))
         row = 2 * total
         cost[:, row : row + weights], free[:, row : row + weights, 0] = w_cost[:, upd_at], w_free[upd_at]
-        cost[:, row + weights :], alloc[:, row + weights :, 0] = g_cost[upd_at], g_alloc[upd_at]
+        cost[:, row + weights :] = g_cost[upd_at]
     return ChunkTables(
         np.concatenate([tables.cost, cost], axis=1),
         np.concatenate([tables.alloc, alloc], axis=1),
@@ -768,15 +768,16 @@ def _segment_values(features: LayerFeatures, later: int, data: int, zero: bool) 
 @functools.lru_cache(maxsize=1024)
 def _update_values(features: LayerFeatures, data: int) -> tuple:
     """Per :func:`_update_keys` entry (ZeRO): its update's cost ``[S, u, F]`` and free
-    ``[u]``, its all-gather's cost ``[u, F]`` and alloc ``[u]`` (cached; read only)."""
+    ``[u]``, and its all-gather's cost ``[u, F]`` (it allocates nothing: the weight's
+    shards are gathered in place) (cached; read only)."""
     keys = _update_keys(features)
     s, u = features.num_variants, len(keys)
     scaled = np.zeros(_F, bool)
     scaled[_SCALED] = True
     w_cost, w_free = np.zeros((s, u, _F)), np.zeros(u)
-    g_cost, g_alloc = np.zeros((u, _F)), np.zeros(u)
+    g_cost = np.zeros((u, _F))
     for (q, w), i in keys.items():
-        j, weight_bytes, update = features.segments[q].updates[w]
+        j, _, update = features.segments[q].updates[w]
         grad = features.segments[q].grads[j]
         rows = int(grad.shape[0])  # ZeRO pads rows the degree does not divide
         w_cost[:, i] = np.where(scaled, zero_shard(update, rows, data), update)
@@ -784,8 +785,7 @@ def _update_values(features: LayerFeatures, data: int) -> tuple:
         # The updated weight's shard, in the weight's dtype (the gradient's may be wider).
         shard = TensorType((-(-rows // data), *grad.shape[1:]), features.model.dtype, grad.device)
         g_cost[i] = _collective("AllGather", shard, data)
-        g_alloc[i] = weight_bytes  # the gathered weight, next to the old one
-    out = (w_cost, w_free, g_cost, g_alloc)
+    out = (w_cost, w_free, g_cost)
     for x in out:
         x.setflags(write=False)
     return out

@@ -38,13 +38,15 @@ other transforms already spread over several devices:
   gradient's buffer, which lives until the update, as in ZeRO's flat
   gradient buffers). Each replica updates its shard with its shard of the
   optimizer state (Adam's ``m`` and ``v``, and a mixed-precision update's f32
-  master copy, become per-replica inputs) and of the weight, a shard
-  ``{w}.dp{r}.master`` (ZeRO partitions the master weights with the optimizer
-  state; with mixed precision this is the half-precision shard the update
-  writes, next to the f32 master's), then the updated weight shards are
-  all-gathered. The all-gather does not write in place, so the gathered
-  weight is a new buffer: at the end of the step the weight is counted
-  twice. A weight whose rows the degree does not divide is padded with zero
+  master copy, become per-replica inputs) and of the weight, a view
+  ``{w}.dp{r}.master = Shard(w)`` (ZeRO partitions the master weights with
+  the optimizer state; with mixed precision this is the half-precision shard
+  the update writes, next to the f32 master's), then the updated weight
+  shards are all-gathered in place (``AllGather(inplace=True)``) into the
+  weight's own buffer, as Megatron-LM's distributed optimizer gathers into
+  its parameter buffer: the weight is counted once. (A weight only its
+  optimizer reads has no full copy: its shard is an input and the gathered
+  weight a new buffer.) A weight whose rows the degree does not divide is padded with zero
   rows to the next multiple, as ZeRO implementations pad their flat buffers:
   shards of ``ceil(rows / degree)`` rows (``ReduceScatter(pad=True)``; the
   padded rows' gradient, state and update stay zero), and the gather keeps
@@ -291,17 +293,21 @@ class _Replicator:
             for v in op.inputs:
                 readers.setdefault(v.name, set()).add(index)
         self.sharded = {v.name for i in self.updates for v in self.fn.ops[i].inputs[2:]}
-        # A weight only its optimizer reads (a master shard already) needs no full copy.
-        self.dropped = {self.fn.ops[i].inputs[0].name for i in self.updates} - {
+        # A weight input only its optimizer reads needs no full copy.
+        self.dropped = ({self.fn.ops[i].inputs[0].name for i in self.updates} & inputs) - {
             v.name for i, op in enumerate(self.fn.ops) if i not in self.updates for v in op.inputs
+        }
+        # An earlier ZeRO's shards (views of weight inputs) are sharded again, as views.
+        views = {
+            op.outputs[0].name for op in self.fn.ops if op.op_type == "Shard" and op.inputs[0].name in inputs
         }
         for index in self.updates:
             op = self.fn.ops[index]
             weight = op.inputs[0]
-            if not all(v.name in inputs for v in op.inputs[:1] + op.inputs[2:]):
+            if weight.name not in inputs | views or not all(v.name in inputs for v in op.inputs[2:]):
                 raise ValueError(
-                    f"data_parallel(zero=True): op #{index} {op.op_type} must read its weight and optimizer "
-                    "state directly from function inputs, which ZeRO shards"
+                    f"data_parallel(zero=True): op #{index} {op.op_type} must read its weight (or a Shard of "
+                    "it) and optimizer state directly from function inputs, which ZeRO shards"
                 )
             shared = [v.name for v in op.inputs[1:] if readers[v.name] != {index}]
             if shared:
@@ -394,6 +400,8 @@ class _Replicator:
                 )
                 self.env[r][v.name] = new
             for w in masters:
+                if w.name not in self.dropped:  # a view of the replica's weight (`_zero_update`)
+                    continue
                 t = _split_rows(w.type, self.degree)
                 new = self.b.input(f"{w.name}.dp{r}.master", t.shape, t.dtype, self.device(r, t.device))
                 self.slices[new.name] = InputSlice(w.name).then(0, r, self.degree)
@@ -514,9 +522,16 @@ class _Replicator:
 
     def _zero_update(self, op: Op, grad: _Grad) -> None:
         """ZeRO: the optimizer on each replica's shard, then all-gather the weight."""
+        weight = op.inputs[0]
+        views = weight.name not in self.dropped
         shards = []
         for r in self.replicas:
-            ins = [self.masters[r][op.inputs[0].name], self.env[r][grad.name]]
+            if views:  # the shard this replica updates is part of its weight's buffer
+                attrs = dict(parts=self.degree, index=r, **zero_scatter_attrs(weight.type, self.degree))
+                name = f"{weight.name}.dp{r}.master"
+                view = self._one("Shard", [self.env[r][weight.name]], name, axis=0, **attrs, **grad.at("opt"))
+                self.masters[r][weight.name] = view
+            ins = [self.masters[r][weight.name], self.env[r][grad.name]]
             ins += [self.env[r][v.name] for v in op.inputs[2:]]
             names = [f"{op.outputs[0].name}.dp{r}.shard"] + [f"{v.name}.dp{r}" for v in op.outputs[1:]]
             outs = self._add(op.op_type, ins, names, self._remap(op.attr_dict, r), f"sharded {op.op_type}")
@@ -527,7 +542,9 @@ class _Replicator:
         names = [f"{new_weight}.dp{r}" for r in self.replicas]
         rows = op.outputs[0].type.shape[0]
         trim = {"size": int(rows)} if zero_padding(op.outputs[0].type, self.degree) else {}
-        gathered = self._collective("AllGather", shards, names, grad, "opt", axis=0, **trim)
+        # In place into the weight's buffer, unless only the optimizer read the weight
+        # (no full copy was kept: the gathered weight is a new buffer).
+        gathered = self._collective("AllGather", shards, names, grad, "opt", axis=0, inplace=views, **trim)
         for r, out in zip(self.replicas, gathered, strict=True):
             self.env[r][new_weight] = out
 
