@@ -125,6 +125,32 @@ def test_maps_split_data_replicate_weights_and_sum_losses():
     assert gather.op_type == "AllGather" and gather.attr("inplace")
 
 
+def test_zero_weight_read_only_by_its_update_is_an_input_shard():
+    """A weight nothing but its update reads has no full copy: ZeRO's shard of it is an
+    input, padded where the degree does not divide its rows, and the gathered weight a
+    new buffer (no in-place gather: there is no weight buffer to write into)."""
+    from distir_jax.executor.reference import reference_peak_memory
+    from distir_jax.ir import FunctionBuilder
+
+    b = FunctionBuilder("update_only")
+    x = b.input("x", (4, 3, 2), dtype="f64")  # data: split along axis 0
+    w = b.input("l0.w", (3, 2), dtype="f64")  # 3 rows over 2 replicas: padded shards
+    grad = b.add("ReduceSum", x, axes=(0,), layer=0, phase="bwd")
+    fn = b.build(b.add("SGD", w, grad, lr=0.5, weight="l0.w", layer=0, phase="opt"))
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.normal(size=(4, 3, 2)), "l0.w": rng.normal(size=(3, 2))}
+    dist = data_parallel(fn, 2, zero=True)
+    assert_same_outputs(rebuilt_outputs(dist, inputs), execute(fn, inputs))
+    assert dist.inputs["l0.w.dp1.master"].splits == ((0, 1, 2),)
+    assert "l0.w.dp1" not in dist.inputs and not collectives(dist.function, "Shard")
+    (gather,) = collectives(dist.function, "AllGather")
+    assert not gather.attr("inplace") and gather.attr("size") == 3
+    # Each device: x's half (96 bytes) and the 2-row shard (32) resident; the half-sum
+    # (48, reduce-scattered in place) lives until the update, then the gathered weight
+    # (48) is allocated: either is the peak.
+    assert reference_peak_memory(dist.function) == {0: 96 + 32 + 48, 1: 96 + 32 + 48}
+
+
 @pytest.mark.parametrize("config", [MLP, GPT], ids=["mlp", "gpt"])
 def test_inference_outputs_are_concatenated_along_the_batch(config):
     fn = models.build_inference(config, BATCH)
