@@ -267,7 +267,14 @@ def test_tensor_parallel_hints_on_transformer():
         assert heads.count("MatMul") == 6  # scores, context; their four gradients
         sharded = {op.op_type for op in fn.ops if op.attr("layer") == layer and op.attr("tp") == "sharded"}
         assert sharded == {"Gelu", "GeluGrad", "Reshape"}
-    assert all(op.attr("tp") is None for op in fn.ops if op.attr("layer") in (0, 3))
+    # The embedding and the head: the ops on the vocabulary axis, and nothing else.
+    vocab = [(op.op_type, op.attr("layer")) for op in fn.ops if op.attr("tp") == "vocab"]
+    assert sorted(vocab) == sorted(
+        [("Embedding", 0), ("EmbeddingGrad", 0), ("SoftmaxCrossEntropy", 3), ("SoftmaxCrossEntropyGrad", 3)]
+        + [("MatMul", 3)] * 3  # logits, the head's weight and input gradients
+        + [("Reshape", 3)]  # the flattened logits gradient
+    )
+    assert all(op.attr("tp") in (None, "vocab") for op in fn.ops if op.attr("layer") in (0, 3))
 
 
 def test_tensor_parallel_hints_on_mlp_alternate():

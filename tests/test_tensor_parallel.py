@@ -1,6 +1,7 @@
 """Tensor (Megatron) parallelism: numerical proof, placement of collectives, symmetry, errors."""
 
 import collections
+import dataclasses
 import itertools
 
 import numpy as np
@@ -23,8 +24,10 @@ from distir_jax.transforms.tensor_parallel_rewrite import group_sized_gathers
 
 MLP = MLPConfig(num_layers=4, hidden=8, dtype="f64")
 GPT = TransformerConfig(num_layers=2, hidden=8, num_heads=4, vocab_size=11, seq_len=4, dtype="f64")
-BATCH = {"mlp": 4, "gpt": 2}
-CONFIGS = {"mlp": MLP, "gpt": GPT}
+# 12 tokens: degrees 2 and 4 split the vocabulary (the token table, LM head and loss).
+GPT_VOCAB = dataclasses.replace(GPT, vocab_size=12)
+BATCH = {"mlp": 4, "gpt": 2, "gpt_vocab": 2}
+CONFIGS = {"mlp": MLP, "gpt": GPT, "gpt_vocab": GPT_VOCAB}
 RTOL = 1e-9
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter")
 
@@ -56,7 +59,7 @@ def count(fn, op_type, **attrs):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("degree", [1, 2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "gpt_vocab"])
 def test_training_step_computes_the_original(model, optimizer, degree, sequence_parallel):
     fn = training(model, optimizer)
     dist = tensor_parallel(fn, degree, sequence_parallel=sequence_parallel)
@@ -66,7 +69,7 @@ def test_training_step_computes_the_original(model, optimizer, degree, sequence_
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("degree", [2, 4])
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "gpt_vocab"])
 def test_inference_computes_the_original(model, degree, sequence_parallel):
     fn = models.build_inference(CONFIGS[model], BATCH[model])
     assert_same_outputs(fn, tensor_parallel(fn, degree, sequence_parallel=sequence_parallel))
@@ -163,31 +166,74 @@ def test_size_variant_batches_lower_in_one_pass():
     assert program.flops.shape == (3, len(dist.function.ops))
 
 
-def _matmul_seconds(fn, topology, device):
-    """Compute time of the split MatMuls (``tp`` hint) on one device."""
+def _matmul_seconds(fn, topology, device, hints):
+    """Compute time of the MatMuls with a ``tp`` hint in ``hints`` on one device."""
     return sum(
         op_costs(op, topology)[device]
         for op in fn.ops
-        if op.op_type == "MatMul" and op.attr("tp") is not None and device in op.devices
+        if op.op_type == "MatMul" and op.attr("tp") in hints and device in op.devices
     )
 
 
 @pytest.mark.parametrize("degree", [2, 4])
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "gpt_vocab"])
 def test_matmul_compute_drops_by_the_degree(model, degree):
-    # Compute-bound devices, free links: only flops count.
+    # Compute-bound devices, free links: only flops count. The LM head is split
+    # too where the degree divides the vocabulary (12 rows; not 11).
     free = dict(
         peak_flops=1e9, memory_bandwidth=1e30, link_bandwidth=1e30, link_latency=0.0, launch_overhead=0.0
     )
     fn = training(model)
+    hints = ("col", "row", "vocab") if model == "gpt_vocab" else ("col", "row")
     dist = tensor_parallel(fn, degree)
-    original = _matmul_seconds(fn, Topology.uniform(1, **free), 0)
+    original = _matmul_seconds(fn, Topology.uniform(1, **free), 0, hints)
     topology = Topology.uniform(degree, **free)
     for device in range(degree):
-        seconds = _matmul_seconds(dist.function, topology, device)
+        seconds = _matmul_seconds(dist.function, topology, device, hints)
         np.testing.assert_allclose(seconds * degree, original, rtol=1e-12)
     busy = reference_simulate(dist.function, topology).step_time
     assert busy < reference_simulate(fn, Topology.uniform(1, **free)).step_time
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_vocab_parallel_embedding_head_and_loss(sequence_parallel):
+    """Megatron-LM's vocabulary parallelism: each rank holds V / t rows of the token
+    table and columns of the LM head; the lookup's partial sums are all-reduced (or
+    reduce-scattered along the sequence), the loss comes from every part's
+    statistics, all-gathered ([B, S, 3 t]), and the logits are never gathered."""
+    degree, vocab, hidden = 4, GPT_VOCAB.vocab_size, GPT_VOCAB.hidden
+    fn = training("gpt_vocab", "adam")
+    dist = tensor_parallel(fn, degree, sequence_parallel=sequence_parallel)
+    assert_same_outputs(fn, dist)
+    new = dist.function
+    shapes = {v.name: tuple(v.type.shape) for v in new.inputs}
+    for rank in range(degree):
+        for name in ("embed.tokens", "embed.tokens.m", "embed.tokens.v"):
+            assert shapes[f"l0.{name}.tp{rank}"] == (vocab // degree, hidden)
+        assert shapes[f"l3.head.w.tp{rank}"] == (hidden, vocab // degree)
+    assert dist.inputs["l0.embed.tokens.tp3"].splits == ((0, 3, degree),)
+    lookups = [op for op in new.ops if op.op_type == "Embedding"]
+    assert [(op.attr("vocab_index"), op.attr("vocab_parts")) for op in lookups] == [(r, 4) for r in range(4)]
+    assert {op.attr("num_embeddings") for op in new.ops if op.op_type == "EmbeddingGrad"} == {vocab // degree}
+    assert count(new, "CrossEntropyStats") == count(new, "CrossEntropyFromStats") == degree
+    assert count(new, "SoftmaxCrossEntropy") == 0
+    gathers = [op for op in new.ops if op.op_type == "AllGather" and op.attr("layer") == GPT.num_layers + 1]
+    stats = [op for op in gathers if op.inputs[0].name.startswith("logits.stats")]
+    assert len(stats) == 1 and tuple(stats[0].outputs[0].type.shape) == (2, GPT.seq_len, 3 * degree)
+    assert not any(op.inputs[0].name.startswith("logits.tp") for op in gathers)  # logits stay split
+    # The lookup's partial sums: one collective after the embedding, one for the
+    # head's input gradient (the conjugate of its column split).
+    reduce = "ReduceScatter" if sequence_parallel else "AllReduce"
+    assert count(new, reduce, layer=0, phase="fwd") == 1
+    assert count(new, reduce, layer=GPT.num_layers + 1, phase="bwd") == 1
+
+
+def test_vocabulary_the_degree_does_not_divide_stays_whole():
+    dist = tensor_parallel(training("gpt", "adam"), 2)  # 11 tokens
+    shapes = {v.name: tuple(v.type.shape) for v in dist.function.inputs}
+    assert shapes["l0.embed.tokens.tp1"] == (GPT.vocab_size, GPT.hidden)
+    assert shapes["l3.head.w.tp1"] == (GPT.hidden, GPT.vocab_size)
+    assert count(dist.function, "SoftmaxCrossEntropy") == 2 and count(dist.function, "CrossEntropyStats") == 0
 
 
 def test_megatron_all_reduces_per_transformer_block():

@@ -54,6 +54,32 @@ def int_attr(attrs, key: str, op_name: str, default=_REQUIRED, minimum=None) -> 
     return int(value)
 
 
+def vocab_shard(attrs, op_name: str) -> tuple[int, int]:
+    """``(vocab_index, vocab_parts)``: the op holds part ``vocab_index`` of
+    ``vocab_parts`` equal parts of the vocabulary (tensor parallelism splits the
+    token table, the LM head and the loss by vocabulary); ``(0, 1)``: all of it."""
+    parts = int_attr(attrs, "vocab_parts", op_name, 1, minimum=1)
+    index = int_attr(attrs, "vocab_index", op_name, 0, minimum=0)
+    if index >= parts:
+        raise OpError(f"{op_name}'s vocab_index must be in [0, {parts - 1}], got vocab_index={index}")
+    return index, parts
+
+
+def local_ids(ids: np.ndarray, rows: int, attrs, op_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(local, mine)``: token ids or labels as rows of this op's part of the
+    vocabulary (:func:`vocab_shard`, ``rows`` a part), clipped into it, and
+    which of them fall in it. Raises for ids outside the whole vocabulary."""
+    index, parts = vocab_shard(attrs, op_name)
+    vocab = rows * parts
+    if ids.size and (np.min(ids) < 0 or np.max(ids) >= vocab):
+        raise ValueError(
+            f"{op_name}: ids must be in [0, {vocab}), got values in [{np.min(ids)}, {np.max(ids)}]"
+        )
+    local = ids - index * rows
+    mine = (local >= 0) & (local < rows)
+    return np.where(mine, local, 0), mine
+
+
 def float_attr(attrs, key: str, op_name: str, default=_REQUIRED) -> float:
     """Reads a numeric attribute, or raises :class:`OpError` naming the op and key."""
     value = attrs.get(key, default)

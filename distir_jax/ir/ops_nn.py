@@ -12,8 +12,10 @@ import numpy as np
 from distir_jax.ir.ops_compute import (
     float_attr,
     int_attr,
+    local_ids,
     require_float_dtype,
     require_int_dtype,
+    vocab_shard,
 )
 from distir_jax.ir.registry import OpError, OpFeatures, OpSpec, register
 from distir_jax.ir.shape_rules import (
@@ -269,11 +271,10 @@ register(
 # Embedding lookup and its scatter-add gradient.
 
 
-def _check_ids(ids, num_rows, name):
-    if ids.size and (np.min(ids) < 0 or np.max(ids) >= num_rows):
-        raise ValueError(
-            f"{name}: ids must be in [0, {num_rows}), got values in [{np.min(ids)}, {np.max(ids)}]"
-        )
+# With vocab_parts > 1 (tensor parallelism by vocabulary, as Megatron-LM's
+# VocabParallelEmbedding) the table is part vocab_index of the vocabulary's
+# rows: the lookup writes zeros for ids outside it, so the parts' results sum
+# to the whole lookup, and the gradient keeps only its own rows.
 
 
 def _embedding_infer(attrs, ins):
@@ -282,18 +283,19 @@ def _embedding_infer(attrs, ins):
         raise OpError(f"Embedding's table must have shape [V, H], got {shape_str(table.shape)}")
     require_float_dtype(table, "Embedding's table")
     require_int_dtype(ids, "Embedding's ids")
+    vocab_shard(attrs, "Embedding")
     return (TensorType(ids.shape + (table.shape[1],), table.dtype, table.device),)
 
 
 def _embedding(attrs, inputs):
     table, ids = inputs
-    _check_ids(ids, table.shape[0], "Embedding")
-    return (np.take(table, ids, axis=0),)
+    local, mine = local_ids(ids, table.shape[0], attrs, "Embedding")
+    return (np.take(table, local, axis=0) * mine[..., None],)
 
 
 register(
     OpSpec(
-        "Embedding",  # (table [V, H], ids [...]) -> [..., H]
+        "Embedding",  # (table [V, H], ids [...]; vocab_index=0, vocab_parts=1) -> [..., H]
         _embedding_infer,
         # A gather: read the ids and the chosen rows, write the rows.
         lambda attrs, ins, outs: OpFeatures(flops=0, mem_bytes=ins[1].num_bytes + 2 * outs[0].num_bytes),
@@ -315,23 +317,25 @@ def _embedding_grad_infer(attrs, ins):
             "plus a trailing hidden dim"
         )
     rows = int_attr(attrs, "num_embeddings", "EmbeddingGrad", minimum=1)
+    vocab_shard(attrs, "EmbeddingGrad")
     return (TensorType((rows, dy.shape[-1]), dy.dtype, dy.device),)
 
 
 def _embedding_grad(attrs, inputs):
     dy, ids = inputs
     rows = int(attrs["num_embeddings"])
-    _check_ids(ids, rows, "EmbeddingGrad")
+    local, mine = local_ids(ids, rows, attrs, "EmbeddingGrad")
     hidden = dy.shape[-1]
     dtable = np.zeros((rows, hidden), dtype=dy.dtype)
     # add.at accumulates repeated ids, which plain fancy assignment would drop.
-    np.add.at(dtable, ids.reshape(-1), dy.reshape(-1, hidden))
+    np.add.at(dtable, local.reshape(-1), (dy * mine[..., None]).reshape(-1, hidden))
     return (dtable,)
 
 
 register(
     OpSpec(
-        "EmbeddingGrad",  # (dy [..., H], ids [...]; num_embeddings) -> [num_embeddings, H]
+        # (dy [..., H], ids [...]; num_embeddings, vocab_index=0, vocab_parts=1) -> [num_embeddings, H]
+        "EmbeddingGrad",
         _embedding_grad_infer,
         lambda attrs, ins, outs: OpFeatures(
             flops=ins[0].num_elements,

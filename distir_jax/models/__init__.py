@@ -64,6 +64,10 @@ Annotation contract (what parallelism transforms may rely on; checked by
   degree ``t``; ``"sharded"``: other ops on activations split along their
   last axis between a ``col`` and a ``row`` MatMul (``Gelu``/``GeluGrad``,
   MLP ``Relu``/``ReluGrad``, and the flattening Reshapes of such values).
+  ``"vocab"``: ops on the vocabulary axis (the token ``Embedding`` and its
+  ``EmbeddingGrad``, the LM head's three MatMuls, the flattened logits
+  gradient, ``SoftmaxCrossEntropy`` and its gradient), split by vocabulary
+  when the degree divides it, else whole.
   Every ``Reshape`` with a ``tp`` hint also has ``tp_axis``: the entry of its
   ``shape`` attr that a split of degree ``t`` divides by ``t``. Ops without
   ``tp`` work on whole (replicated) tensors. ``wqkv``'s columns are ordered

@@ -13,7 +13,7 @@ import re
 from distir_jax.ir.function import Function, Op
 
 PHASES = ("fwd", "bwd", "opt")
-TP_HINTS = ("col", "row", "heads", "sharded")
+TP_HINTS = ("col", "row", "heads", "sharded", "vocab")
 
 _WEIGHT_RE = re.compile(r"^l(\d+)\.")
 # Inputs ``{weight}.{suffix}`` that belong to a weight's optimizer, not the model.

@@ -18,6 +18,10 @@ The columns of ``wqkv`` are ordered head by head, ``[N, 3, D]`` (Megatron's
 layout), not ``[3, N, D]``: reshaping to ``[B, S, N, 3D]`` before the split
 makes a contiguous column split of ``wqkv`` a split of whole heads, so a
 tensor-parallel transform splits the weight and divides ``N`` in the Reshape.
+
+The token table, the LM head ``head.w`` ``[H, V]`` and the cross entropy carry
+``tp="vocab"``: a tensor degree that divides ``V`` splits them by vocabulary
+(Megatron-LM's vocab-parallel embedding, output layer and loss).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from distir_jax.models.config import TransformerConfig, check_batch_size
 # Transposes between [B, S, N, D] and [B, N, S, D]; the permutation is its own inverse.
 _HEADS_PERM = (0, 2, 1, 3)
 _HEADS = {"tp": "heads"}
+_VOCAB = {"tp": "vocab"}  # split by vocabulary where the tensor degree divides it
 _SHARDED = {"tp": "sharded"}
 
 
@@ -232,7 +237,7 @@ def _forward(cfg: TransformerConfig, batch_size, name: str, with_labels: bool) -
 
     em.at(0, "fwd")
     w0 = weights[0]
-    x = em.op("Embedding", w0["embed.tokens"], tokens, name="l0.tok")
+    x = em.op("Embedding", w0["embed.tokens"], tokens, name="l0.tok", **_VOCAB)
     # [S, H] broadcasts over the batch, so the table has no batch axis.
     x = em.op("Add", x, w0["embed.pos"], name="l0.out")
     blocks = []
@@ -243,7 +248,7 @@ def _forward(cfg: TransformerConfig, batch_size, name: str, with_labels: bool) -
     wf = weights[-1]
     em.at(cfg.num_layers + 1, "fwd")
     lnf = em.op("LayerNorm", x, wf["lnf.gamma"], wf["lnf.beta"], name="lnf", eps=cfg.ln_eps)
-    logits = em.op("MatMul", lnf, wf["head.w"], name="logits")
+    logits = em.op("MatMul", lnf, wf["head.w"], name="logits", **_VOCAB)
     return em, _Forward(weights, tokens, labels, blocks, x, lnf, logits)
 
 
@@ -258,7 +263,7 @@ def transformer_loss(config: TransformerConfig, batch_size) -> Function:
     """The forward pass and the cross-entropy loss (no backward): output ``loss``."""
     config = _check_config(config)
     em, fwd = _forward(config, batch_size, "transformer_loss", with_labels=True)
-    return em.build(em.op("SoftmaxCrossEntropy", fwd.logits, fwd.labels, name="loss", shards=1))
+    return em.build(em.op("SoftmaxCrossEntropy", fwd.logits, fwd.labels, name="loss", shards=1, **_VOCAB))
 
 
 def transformer_training_step(
@@ -286,17 +291,18 @@ def transformer_training_step(
     wf = fwd.weights[-1]
 
     em.at(head, "fwd")
-    loss = em.op("SoftmaxCrossEntropy", fwd.logits, fwd.labels, name="loss", shards=1)
+    loss = em.op("SoftmaxCrossEntropy", fwd.logits, fwd.labels, name="loss", shards=1, **_VOCAB)
     em.at(head, "bwd")
-    dlogits = em.op("SoftmaxCrossEntropyGrad", fwd.logits, fwd.labels, name="dlogits", shards=1)
+    dlogits = em.op("SoftmaxCrossEntropyGrad", fwd.logits, fwd.labels, name="dlogits", shards=1, **_VOCAB)
     em.weight_grad(
         "MatMul",
         wf["head.w"],
         _flat(em, fwd.lnf, h, "lnf_flat"),
-        _flat(em, dlogits, vocab, "dlogits_flat"),
+        _flat(em, dlogits, vocab, "dlogits_flat", **_VOCAB),
         transpose_a=True,
+        **_VOCAB,
     )
-    dlnf = em.op("MatMul", dlogits, wf["head.w"], name="dlnf", transpose_b=True)
+    dlnf = em.op("MatMul", dlogits, wf["head.w"], name="dlnf", transpose_b=True, **_VOCAB)
     dx = _layer_norm_grad(
         em, dlnf, fwd.x_final, wf["lnf.gamma"], wf["lnf.beta"], f"l{head - 1}.dout", config.ln_eps
     )
@@ -308,6 +314,6 @@ def transformer_training_step(
     w0 = fwd.weights[0]
     # The positional table was broadcast over the batch, so its gradient sums it.
     em.weight_grad("ReduceSum", w0["embed.pos"], dx, axes=(0,), keepdims=False)
-    em.weight_grad("EmbeddingGrad", w0["embed.tokens"], dx, fwd.tokens, num_embeddings=vocab)
+    em.weight_grad("EmbeddingGrad", w0["embed.tokens"], dx, fwd.tokens, num_embeddings=vocab, **_VOCAB)
 
     return em.build(loss, *emit_optimizer(em, optimizer, lr))

@@ -17,8 +17,25 @@ et al. 2019). Per transformer block:
   replicated output gradient (``g``'s backward: identity); each ``col``
   MatMul's input gradient is a partial sum that one ``AllReduce`` (``f``'s
   backward) completes just before the ``LayerNormGrad``: **2 all-reduces**.
-* weight gradients of split weights are local; LayerNorm, embedding and head
-  gradients are computed redundantly from replicated values: no communication.
+* weight gradients of split weights are local; LayerNorm gradients are
+  computed redundantly from replicated values: no communication.
+
+Vocabulary parallelism (ops with ``tp="vocab"``, where ``t`` divides the
+vocabulary ``V``; else they work on whole values): rank ``r`` holds rows
+``[r V / t, (r + 1) V / t)`` of the token table and those columns of the LM
+head, as Megatron-LM's ``VocabParallelEmbedding`` and parallel output layer.
+
+* forward: each rank looks up the tokens in its rows (zeros for the others),
+  and one ``AllReduce`` sums the parts; the head is a ``col`` MatMul whose
+  logits stay split by vocabulary; each rank computes ``CrossEntropyStats``
+  of its logits (max, sum of exponentials, the label's logit when it is
+  one of its tokens), one ``AllGather`` sets the ranks' statistics side by
+  side (``[B, S, 3 t]``), and the loss follows from them
+  (``CrossEntropyFromStats``);
+* backward: each rank's logits gradient comes from its logits and the
+  gathered statistics (no communication), the head's input gradient is a
+  partial sum (one ``AllReduce``), and each rank scatters the embedding
+  gradient into its own rows.
 
 The MLP (columns on odd layers, rows on even ones) gets one ``AllReduce``
 before each ``row`` layer's ``Relu`` and one before the ``ReluGrad`` under each
@@ -41,11 +58,12 @@ token, i.e. batch, axis of the MLP's ``[B, H]``). Per block:
 * optimizer: LayerNorm gains and biases get an ``AllReduce`` of their
   gradients, which are partial sums over sequence parts.
 
-The first LayerNorm cuts its part of the replicated embedding output locally
-(a ``Split``, no communication), the LM head reads the final LayerNorm's
-output gathered along the sequence, the head's input gradient is cut locally
-again, and the embedding gradients read the first block's input gradient
-gathered along the sequence.
+The embedding's partial sums are reduce-scattered along the sequence (a
+vocabulary the degree does not divide: its replicated output is cut locally,
+a ``Split``), the LM head reads the final LayerNorm's output gathered along
+the sequence, the head's input gradient is reduce-scattered (cut locally
+when whole), and the embedding gradients read the first block's input
+gradient gathered along the sequence.
 
 Collectives are placed lazily, right before the first op that needs the
 converted value, and carry that op's ``layer`` and ``phase``.
@@ -105,10 +123,11 @@ def tensor_parallel(
       split weights (and their Adam moments) are ``InputSlice`` parts along
       the split axis (``col``: output dim, axis 1 of ``[H, F]``; ``row``: input
       dim, axis 0), updated split weights are rebuilt by ``"concat"`` along
-      that axis, replicated results (the loss, LayerNorm parameters,
-      embeddings, logits) by ``"replica"``, split outputs of inference
-      programs by ``"concat"`` along their split axis, partial sums (none in
-      the models' programs) by ``"sum"``.
+      that axis (the token table and LM head along the vocabulary, when
+      split), replicated results (the loss, LayerNorm parameters) by
+      ``"replica"``, split outputs of inference programs (the logits, split
+      by vocabulary) by ``"concat"`` along their split axis, partial sums
+      (none in the models' programs) by ``"sum"``.
 
     Raises:
       ValueError: for ``degree`` not an int >= 1; when ``degree`` does not
@@ -180,7 +199,8 @@ def _check_divisible(fn: Function, degree: int) -> None:
                     f"the {which} dim of %{weight.name}, split by tp={hint!r} MatMuls",
                 )
         tp_axis = op.attr("tp_axis")
-        if op.op_type == "Reshape" and hint is not None and tp_axis is not None:
+        # tp="vocab" splits only a vocabulary the degree divides (else keeps it whole).
+        if op.op_type == "Reshape" and hint not in (None, "vocab") and tp_axis is not None:
             shape = tuple(op.attr("shape"))
             if shape[tp_axis] % degree:
                 where = f"entry {tp_axis} of shape={shape} of Reshape %{op.outputs[0].name}"

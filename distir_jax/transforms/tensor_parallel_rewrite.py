@@ -24,10 +24,12 @@ from distir_jax.ir.types import TensorType, dim_divides, dim_str, dims_equal
 from distir_jax.transforms.base import InputSlice, Recipe
 from distir_jax.transforms.tensor_parallel_rules import (
     COLLECTIVE_AXES,
+    CROSS_ENTROPY,
     PARTIAL,
     REPLICATED,
     SHARDED_KIND,
     Layout,
+    Plan,
     RuleError,
     plan_op,
 )
@@ -79,6 +81,7 @@ class Rewriter:
         self._layout: dict[str, Layout | None] = {v.name: None for v in fn.inputs}
         self._parts: dict[str, tuple[Value, ...]] = {}
         self._converted: dict[tuple, tuple[Value, ...]] = {}
+        self._statistics: dict[str, tuple[Value, ...]] = {}  # by logits: every part's, gathered
 
     # ------------------------------------------------------------------ #
     # Walking the program.
@@ -115,30 +118,43 @@ class Rewriter:
     def _rewrite(self, index: int, op: Op) -> None:
         layouts = [self._layout[v.name] or REPLICATED for v in op.inputs]
         try:
-            plan = plan_op(op, layouts, sequence_parallel=self.sequence_parallel)
+            plan = plan_op(op, layouts, sequence_parallel=self.sequence_parallel, degree=self.degree)
         except RuleError as e:
             raise ValueError(f"tensor_parallel: op #{index} {op.op_type}{_results(op)}: {e}") from None
         args = [
             self._convert(v.name, target, op, may_split)
             for v, target, may_split in zip(op.inputs, plan.inputs, plan.split_inputs, strict=True)
         ]
+        op_type = op.op_type
+        if plan.vocab and op_type in CROSS_ENTROPY:  # from every part's statistics
+            stats = self._vocab_statistics(op, args[0], args[1])
+            args = [stats] if op_type == "SoftmaxCrossEntropy" else args + [stats]
+            op_type = "CrossEntropyFromStats" if op_type == "SoftmaxCrossEntropy" else op_type
         per_rank = []
         for k, rank in enumerate(self.ranks):
             names = [self._fresh(f"{v.name}.tp{rank}") for v in op.outputs]
-            per_rank.append(self._emit(op.op_type, [a[k] for a in args], names, self._rank_attrs(op, rank)))
+            attrs = self._rank_attrs(op, rank, plan)
+            if op_type == "CrossEntropyFromStats":
+                attrs = {key: value for key, value in attrs.items() if not key.startswith("vocab_")}
+            per_rank.append(self._emit(op_type, [a[k] for a in args], names, attrs))
         for j, v in enumerate(op.outputs):
             parts = tuple(outs[j] for outs in per_rank)
             self._check_part(index, op, v, plan.outputs[j], parts[0])
             self._layout[v.name], self._parts[v.name] = plan.outputs[j], parts
 
-    def _rank_attrs(self, op: Op, rank: int) -> dict:
+    def _rank_attrs(self, op: Op, rank: int, plan: Plan) -> dict:
         attrs = op.attr_dict
-        if op.op_type == "Reshape" and op.attr("tp") is not None and "tp_axis" in attrs:
+        split = plan.outputs and plan.outputs[0].kind == SHARDED_KIND
+        if op.op_type == "Reshape" and split and op.attr("tp") is not None and "tp_axis" in attrs:
             # The model's contract: tp_axis names the entry of `shape` (heads,
             # or a split width) that a split of degree t divides by t.
             shape = list(attrs["shape"])
             shape[attrs["tp_axis"]] //= self.degree
             attrs["shape"] = tuple(shape)
+        if plan.vocab:  # this rank's part of the vocabulary
+            attrs.update(vocab_index=rank, vocab_parts=self.degree)
+            if op.op_type == "EmbeddingGrad":
+                attrs["num_embeddings"] = int(attrs["num_embeddings"]) // self.degree
         if op.op_type in COLLECTIVE_AXES:
             for key in _DEVICE_ATTRS:
                 if key in attrs:
@@ -251,6 +267,24 @@ class Rewriter:
         if layout != REPLICATED:
             parts = self._convert(name, REPLICATED, consumer, False)
         return self._local_split(parts, target.axis, f"{name}.split{target.axis}", consumer)
+
+    def _vocab_statistics(self, op: Op, logits, labels) -> tuple[Value, ...]:
+        """Every rank's ``[..., 3 t]`` statistics of the logits (:func:`CrossEntropyStats`
+        of each part, all-gathered along the last axis), computed once per logits
+        value: the loss and its gradient share them, as Megatron-LM's backward
+        reuses what its forward kept."""
+        name = op.inputs[0].name
+        if name not in self._statistics:
+            parts = []
+            for k, rank in enumerate(self.ranks):
+                attrs = dict(_placement(op), vocab_index=rank, vocab_parts=self.degree)
+                names = [self._fresh(f"{name}.stats.tp{rank}")]
+                parts += self._emit("CrossEntropyStats", [logits[k], labels[k]], names, attrs)
+            axis = op.inputs[0].type.rank - 1
+            self._statistics[name] = self._collective(
+                "AllGather", parts, {"axis": axis}, f"{name}.stats.allgather", op
+            )
+        return self._statistics[name]
 
     def _collective(self, op_type: str, parts, attrs: dict, base: str, consumer: Op) -> tuple[Value, ...]:
         attrs = dict(attrs, **_placement(consumer))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from distir_jax.ir.function import Op
-from distir_jax.ir.types import dims_equal
+from distir_jax.ir.types import dim_divides, dims_equal
 
 REPLICATED_KIND, SHARDED_KIND, PARTIAL_KIND = "replicated", "sharded", "partial"
 
@@ -53,11 +53,15 @@ class Plan(NamedTuple):
       split_inputs: per operand, whether a function input read here for the
         first time may be declared split (weights of col/row MatMuls and
         optimizer states) instead of replicated and split by a local op.
+      vocab: the op works on its rank's part of the vocabulary (``tp="vocab"``
+        ops that are split): the rewriter gives it ``vocab_index`` and
+        ``vocab_parts``, and a cross entropy reads every part's statistics.
     """
 
     inputs: tuple[Layout, ...]
     outputs: tuple[Layout, ...]
     split_inputs: tuple[bool, ...]
+    vocab: bool = False
 
 
 # Ops computing each output element from the same element of each operand.
@@ -254,7 +258,45 @@ def _optimizer(op: Op, layouts) -> Plan:
     return Plan(_all(layout, n), _all(layout, len(op.outputs)), (False,) + _all(True, n - 1))
 
 
-def plan_op(op: Op, layouts, *, sequence_parallel: bool) -> Plan:
+# Ops on the vocabulary axis (tp="vocab"): the token table's rows, the LM head's
+# columns, the logits' last axis. Megatron-LM splits them all by vocabulary.
+CROSS_ENTROPY = frozenset({"SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad"})
+
+
+def vocab_size(op: Op):
+    """The vocabulary an op with ``tp="vocab"`` works on: the size a split divides."""
+    if op.op_type == "Embedding":
+        return op.inputs[0].type.shape[0]
+    if op.op_type == "EmbeddingGrad":
+        return op.attr("num_embeddings")
+    if op.op_type == "MatMul":  # x @ W, x^T @ dlogits, dlogits @ W^T: the second operand's last axis
+        return op.inputs[1].type.shape[-1]
+    return op.inputs[0].type.shape[-1]  # logits, or a Reshape of them
+
+
+def _vocab(op: Op, layouts, degree: int) -> Plan:
+    """Vocabulary parallelism where ``degree`` divides the vocabulary; else whole values."""
+    if not dim_divides(vocab_size(op), degree):
+        return _uniform(REPLICATED, op)
+    last = sharded(op.inputs[0].type.rank - 1)
+    if op.op_type == "Embedding":  # each rank looks up its rows: zeros elsewhere, partial sums
+        return Plan((sharded(0), REPLICATED), (PARTIAL,), (True, False), vocab=True)
+    if op.op_type == "EmbeddingGrad":  # each rank scatters into its own rows
+        return Plan((REPLICATED, REPLICATED), (sharded(0),), (False, False), vocab=True)
+    if op.op_type == "MatMul":
+        return _matmul_split(op, "col")
+    if op.op_type in CROSS_ENTROPY:
+        out = REPLICATED if op.op_type == "SoftmaxCrossEntropy" else last
+        return Plan((last, REPLICATED), (out,), (False, False), vocab=True)
+    if op.op_type == "Reshape":
+        return _split_region(op, layouts, "vocab")
+    raise RuleError(
+        f"tp='vocab' is meaningful on Embedding, EmbeddingGrad, MatMul, Reshape and "
+        f"{', '.join(sorted(CROSS_ENTROPY))}, not {op.op_type}"
+    )
+
+
+def plan_op(op: Op, layouts, *, sequence_parallel: bool, degree: int) -> Plan:
     """The layouts op ``op`` needs and produces, given its operands' current layouts.
 
     Args:
@@ -263,6 +305,7 @@ def plan_op(op: Op, layouts, *, sequence_parallel: bool) -> Plan:
         placed count as replicated).
       sequence_parallel: split replicated-region activations along the
         sequence axis (Megatron-3).
+      degree: the split's degree (``tp="vocab"`` ops split only a vocabulary it divides).
 
     Raises:
       RuleError: for a ``tp`` hint the op cannot carry.
@@ -274,8 +317,10 @@ def plan_op(op: Op, layouts, *, sequence_parallel: bool) -> Plan:
         return _matmul_split(op, hint)
     if hint in ("heads", "sharded"):
         return _split_region(op, layouts, hint)
+    if hint == "vocab":
+        return _vocab(op, layouts, degree)
     if hint is not None:
-        raise RuleError(f"unknown tp hint tp={hint!r}; expected col, row, heads or sharded")
+        raise RuleError(f"unknown tp hint tp={hint!r}; expected col, row, heads, sharded or vocab")
     if op.op_type in COLLECTIVE_AXES:
         return _collective(op, layouts)
     if op.op_type in OPTIMIZERS:
@@ -284,5 +329,5 @@ def plan_op(op: Op, layouts, *, sequence_parallel: bool) -> Plan:
         return _elementwise(op, layouts, sequence_parallel)
     if op.op_type in ("LayerNorm", "LayerNormGrad"):
         return _layer_norm(op, layouts, sequence_parallel)
-    # Embeddings, losses, the LM head, reductions and layout ops work on whole values.
+    # Unannotated embeddings, losses, reductions and layout ops work on whole values.
     return _uniform(REPLICATED, op)
