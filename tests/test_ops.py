@@ -48,7 +48,8 @@ def test_registry_has_every_op():
         "TanhGrad", "Scale", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad", "CausalMask", "LayerNorm",
         "LayerNormGrad", "Reshape", "Transpose", "Concat", "Split", "ReduceSum", "MSELoss",
         "MSELossGrad", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Embedding",
-        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce", "Cast", "Shard",
+        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce", "Cast", "Shard", "CrossEntropyStats",
+        "CrossEntropyFromStats",
     }  # fmt: skip
     assert expected <= set(registered_op_types())
 
@@ -141,6 +142,40 @@ def test_embedding_grad_accumulates_repeated_ids(rng):
     (analytic,) = run("EmbeddingGrad", cot, ids, num_embeddings=6)
     numeric = numeric_grad(lambda u: np.sum(run("Embedding", u, ids)[0] * cot), table)
     np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_vocabulary_parts_rebuild_the_loss_lookup_and_gradients(rng, parts):
+    """Megatron-LM's vocabulary parallelism, op by op: each part's lookup is zero outside
+    its rows and the parts sum to the whole; every part's statistics, side by side, give
+    the whole cross entropy and each part its slice of the gradient; each part's
+    embedding gradient is its rows of the whole one."""
+    vocab, rows = 8, 8 // parts
+    logits = 3 * rng.normal(size=(2, 3, vocab))
+    labels = rng.integers(0, vocab, size=(2, 3))
+    cut = [slice(r * rows, (r + 1) * rows) for r in range(parts)]
+    shard = [dict(vocab_index=r, vocab_parts=parts) for r in range(parts)]
+    parts_stats = [
+        run("CrossEntropyStats", logits[..., c], labels, **a)[0] for c, a in zip(cut, shard, strict=True)
+    ]
+    stats = np.concatenate(parts_stats, axis=-1)
+    (loss,) = run("CrossEntropyFromStats", stats, shards=2)
+    np.testing.assert_allclose(loss, run("SoftmaxCrossEntropy", logits, labels, shards=2)[0], rtol=1e-13)
+    (whole,) = run("SoftmaxCrossEntropyGrad", logits, labels, shards=2)
+    for c, a in zip(cut, shard, strict=True):
+        (part,) = run("SoftmaxCrossEntropyGrad", logits[..., c], labels, stats, shards=2, **a)
+        np.testing.assert_allclose(part, whole[..., c], rtol=1e-12, atol=1e-15)
+    table, dy = rng.normal(size=(vocab, 4)), rng.normal(size=(2, 3, 4))
+    lookups = [run("Embedding", table[c], labels, **a)[0] for c, a in zip(cut, shard, strict=True)]
+    np.testing.assert_array_equal(sum(lookups), table[labels])
+    (dtable,) = run("EmbeddingGrad", dy, labels, num_embeddings=vocab)
+    for c, a in zip(cut, shard, strict=True):
+        (part,) = run("EmbeddingGrad", dy, labels, num_embeddings=rows, **a)
+        np.testing.assert_array_equal(part, dtable[c])
+    # Labels are checked against the whole vocabulary, not the part.
+    match = r"CrossEntropyStats: ids must be in \[0, 8\), got values in \[0, 9\]"
+    with pytest.raises(ValueError, match=match):
+        run("CrossEntropyStats", logits[..., cut[0]], np.array([[0, 9, 1]] * 2), **shard[0])
 
 
 @pytest.mark.parametrize("batch", [(), (2,)])
@@ -254,6 +289,15 @@ GOOD = [
     ("SoftmaxCrossEntropyGrad", [((2, 3, 7), F), ((2, 3), "i64")], {}, [(2, 3, 7)]),
     ("Embedding", [((7, 4), F), ((2, 3), INT)], {}, [(2, 3, 4)]),
     ("EmbeddingGrad", [((2, 3, 4), F), ((2, 3), INT)], {"num_embeddings": 7}, [(7, 4)]),
+    ("Embedding", [((7, 4), F), ((2, 3), INT)], {"vocab_index": 2, "vocab_parts": 3}, [(2, 3, 4)]),
+    ("CrossEntropyStats", [((2, 3, 7), F), ((2, 3), INT)], {"vocab_index": 1, "vocab_parts": 2}, [(2, 3, 3)]),
+    ("CrossEntropyFromStats", [((2, 3, 6), F)], {"shards": 2}, [()]),
+    (
+        "SoftmaxCrossEntropyGrad",
+        [((2, 3, 7), F), ((2, 3), INT), ((2, 3, 6), F)],
+        {"vocab_index": 1, "vocab_parts": 2},
+        [(2, 3, 7)],
+    ),
     ("SGD", [((3, 4), F), ((3, 4), F)], {"lr": 0.1}, [(3, 4)]),
     ("Adam", [((3, 4), F)] * 4, {"lr": 0.1, "step": 3}, [(3, 4)] * 3),
 ]
@@ -272,6 +316,8 @@ def test_shape_rule_and_evaluate_agree(rng, op_type, specs, attrs, expected):
     ]
     if op_type == "Adam":
         arrays[3] = np.abs(arrays[3])  # a second moment is never negative
+    if op_type in ("CrossEntropyFromStats", "SoftmaxCrossEntropyGrad"):
+        arrays[-1] = np.abs(arrays[-1])  # statistics hold sums of exponentials
     before = [a.copy() for a in arrays]
     results = run(op_type, *arrays, **attrs)
     assert [np.shape(r) for r in results] == expected
@@ -319,6 +365,12 @@ BAD = [
     ("Embedding", [((2, 3, 4), F), ((2,), INT)], {}, ["[2, 3, 4]"]),
     ("Embedding", [((6, 4), F), ((2,), F)], {}, ["ids", "f32"]),
     ("EmbeddingGrad", [((2, 4), F), ((2,), INT)], {}, ["num_embeddings"]),
+    ("Embedding", [((6, 4), F), ((2,), INT)], {"vocab_index": 2, "vocab_parts": 2}, ["vocab_index", "[0,"]),
+    ("CrossEntropyStats", [((2, 7), F), ((2,), INT)], {"vocab_parts": 0}, ["vocab_parts", ">= 1"]),
+    ("SoftmaxCrossEntropyGrad", [((2, 7), F), ((2,), INT)], {"vocab_parts": 2}, ["vocab_parts=2", "third"]),
+    ("SoftmaxCrossEntropyGrad", [((2, 7), F), ((2,), INT), ((2, 4), F)], {}, ["statistics", "[2, 4]"]),
+    ("SoftmaxCrossEntropy", [((2, 7), F), ((2,), INT), ((2, 6), F)], {}, ["2 operands", "got 3"]),
+    ("CrossEntropyFromStats", [((2, 5), F)], {}, ["statistics", "[2, 5]"]),
     ("EmbeddingGrad", [((2, 4), F), ((3,), INT)], {"num_embeddings": 5}, ["[2, 4]", "[3]"]),
     ("SGD", [((3, 4), F), ((4, 3), F)], {"lr": 0.1}, ["[3, 4]", "[4, 3]"]),
     ("SGD", [((3, 4), F), ((3, 4), F)], {}, ["lr"]),
