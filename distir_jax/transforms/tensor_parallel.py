@@ -105,7 +105,9 @@ def tensor_parallel(
       program: a :class:`Function` built by :mod:`distir_jax.models` (training
         step, loss or inference), or a :class:`Distributed` whose function
         kept the ``tp`` / ``tp_axis`` annotations (e.g. an earlier
-        ``tensor_parallel``: splits compose, ``t1 * t2`` ranks in all).
+        ``tensor_parallel``: splits compose, ``t1 * t2`` ranks in all; the
+        vocabulary is split once, its ops lose their hint, and a second
+        split keeps each part whole).
       degree: ``t``, the number of ranks; 1 returns ``program`` unchanged.
       sequence_parallel: also split the replicated regions along the
         sequence axis (-2), trading all-reduces for reduce-scatters and

@@ -155,6 +155,9 @@ class Rewriter:
             attrs.update(vocab_index=rank, vocab_parts=self.degree)
             if op.op_type == "EmbeddingGrad":
                 attrs["num_embeddings"] = int(attrs["num_embeddings"]) // self.degree
+        if attrs.get("tp") == "vocab" and any(x != REPLICATED for x in plan.inputs + plan.outputs):
+            # Split by vocabulary once: a second split keeps each part whole.
+            del attrs["tp"]
         if op.op_type in COLLECTIVE_AXES:
             for key in _DEVICE_ATTRS:
                 if key in attrs:

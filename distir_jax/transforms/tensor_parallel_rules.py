@@ -275,8 +275,10 @@ def vocab_size(op: Op):
 
 
 def _vocab(op: Op, layouts, degree: int) -> Plan:
-    """Vocabulary parallelism where ``degree`` divides the vocabulary; else whole values."""
-    if not dim_divides(vocab_size(op), degree):
+    """Vocabulary parallelism where ``degree`` divides the vocabulary; else whole values
+    (also for ops an earlier split already cut by vocabulary: a second split keeps
+    each part whole, replicated over its new ranks)."""
+    if not dim_divides(vocab_size(op), degree) or int(op.attr("vocab_parts", 1)) > 1:
         return _uniform(REPLICATED, op)
     last = sharded(op.inputs[0].type.rank - 1)
     if op.op_type == "Embedding":  # each rank looks up its rows: zeros elsewhere, partial sums
