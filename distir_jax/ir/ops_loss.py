@@ -112,16 +112,21 @@ def _check_logits_labels(name, logits, labels) -> None:
         )
 
 
-def _check_stats(name, stats, lead) -> None:
-    """Statistics of the vocabulary's parts side by side: ``lead + [3 t]``."""
+def _check_stats(name, stats, lead, parts=None) -> None:
+    """Statistics of the vocabulary's parts side by side: ``lead + [3 t]`` (``t = parts``
+    when given, else any ``t >= 1``)."""
     require_float_dtype(stats, f"{name}'s statistics")
+    width = stats.shape[-1] if stats.rank else 0
     if (
         stats.rank != len(lead) + 1
         or not all(dims_equal(a, b) for a, b in zip(stats.shape[:-1], lead, strict=True))
-        or not dim_divides(stats.shape[-1], 3)
+        or not dim_divides(width, 3)
+        or width < 3
+        or (parts is not None and width != 3 * parts)
     ):
+        t = "3t" if parts is None else f"{3 * parts} (vocab_parts={parts})"
         raise OpError(
-            f"{name}'s statistics must have shape {shape_str(tuple(lead) + ('3t',))} (3 numbers per "
+            f"{name}'s statistics must have shape {shape_str(tuple(lead) + (t,))} (3 numbers per "
             f"part of the vocabulary, see CrossEntropyStats), got {shape_str(stats.shape)}"
         )
 
@@ -133,10 +138,15 @@ def _sce_infer(name):
             raise OpError(f"{name} takes {expected} (logits, labels[, statistics]), got {len(ins)}")
         logits, labels = ins[:2]
         _check_logits_labels(name, logits, labels)
-        if len(ins) == 3:
-            _check_stats(name, ins[2], logits.shape[:-1])
         _, parts = vocab_shard(attrs, name)
-        if parts > 1 and len(ins) == 2:
+        if len(ins) == 3:
+            _check_stats(name, ins[2], logits.shape[:-1], parts)
+        elif parts > 1 and name == "SoftmaxCrossEntropy":
+            raise OpError(
+                f"{name} works on the whole vocabulary, got vocab_parts={parts}: a loss split by "
+                "vocabulary is each part's CrossEntropyStats, all-gathered, then CrossEntropyFromStats"
+            )
+        elif parts > 1:
             raise OpError(
                 f"{name} with vocab_parts={parts} needs the statistics of every part as a third operand"
             )
