@@ -46,8 +46,8 @@ other transforms already spread over several devices:
   weight's own buffer, as Megatron-LM's distributed optimizer gathers into
   its parameter buffer: the weight is counted once. (A weight only its
   optimizer reads has no full copy: its shard is an input and the gathered
-  weight a new buffer.) A weight whose rows the degree does not divide is padded with zero
-  rows to the next multiple, as ZeRO implementations pad their flat buffers:
+  weight a new buffer.) A weight whose rows the degree does not divide is
+  padded with zero rows to the next multiple, as ZeRO implementations pad their flat buffers:
   shards of ``ceil(rows / degree)`` rows (``ReduceScatter(pad=True)``; the
   padded rows' gradient, state and update stay zero), and the gather keeps
   the first ``rows`` (``AllGather(size=rows)``); sharded outputs are rebuilt

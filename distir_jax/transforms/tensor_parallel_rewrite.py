@@ -128,14 +128,14 @@ class Rewriter:
         op_type = op.op_type
         if plan.vocab and op_type in CROSS_ENTROPY:  # from every part's statistics
             stats = self._vocab_statistics(op, args[0], args[1])
-            args = [stats] if op_type == "SoftmaxCrossEntropy" else args + [stats]
-            op_type = "CrossEntropyFromStats" if op_type == "SoftmaxCrossEntropy" else op_type
+            if op_type == "SoftmaxCrossEntropy":
+                op_type, args = "CrossEntropyFromStats", [stats]
+            else:
+                args = args + [stats]
         per_rank = []
         for k, rank in enumerate(self.ranks):
             names = [self._fresh(f"{v.name}.tp{rank}") for v in op.outputs]
             attrs = self._rank_attrs(op, rank, plan)
-            if op_type == "CrossEntropyFromStats":
-                attrs = {key: value for key, value in attrs.items() if not key.startswith("vocab_")}
             per_rank.append(self._emit(op_type, [a[k] for a in args], names, attrs))
         for j, v in enumerate(op.outputs):
             parts = tuple(outs[j] for outs in per_rank)
@@ -144,14 +144,15 @@ class Rewriter:
 
     def _rank_attrs(self, op: Op, rank: int, plan: Plan) -> dict:
         attrs = op.attr_dict
-        split = plan.outputs and plan.outputs[0].kind == SHARDED_KIND
+        split = bool(plan.outputs) and plan.outputs[0].kind == SHARDED_KIND
         if op.op_type == "Reshape" and split and op.attr("tp") is not None and "tp_axis" in attrs:
             # The model's contract: tp_axis names the entry of `shape` (heads,
             # or a split width) that a split of degree t divides by t.
             shape = list(attrs["shape"])
             shape[attrs["tp_axis"]] //= self.degree
             attrs["shape"] = tuple(shape)
-        if plan.vocab:  # this rank's part of the vocabulary
+        # This rank's part of the vocabulary (a split loss reads every part's statistics instead).
+        if plan.vocab and op.op_type != "SoftmaxCrossEntropy":
             attrs.update(vocab_index=rank, vocab_parts=self.degree)
             if op.op_type == "EmbeddingGrad":
                 attrs["num_embeddings"] = int(attrs["num_embeddings"]) // self.degree

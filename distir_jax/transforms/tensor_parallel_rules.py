@@ -258,13 +258,13 @@ def _optimizer(op: Op, layouts) -> Plan:
     return Plan(_all(layout, n), _all(layout, len(op.outputs)), (False,) + _all(True, n - 1))
 
 
-# Ops on the vocabulary axis (tp="vocab"): the token table's rows, the LM head's
-# columns, the logits' last axis. Megatron-LM splits them all by vocabulary.
+# Losses that a split by vocabulary rewrites to read every part's statistics.
 CROSS_ENTROPY = frozenset({"SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad"})
 
 
 def vocab_size(op: Op):
-    """The vocabulary an op with ``tp="vocab"`` works on: the size a split divides."""
+    """The vocabulary an op with ``tp="vocab"`` works on (the token table's rows, the LM
+    head's columns, the logits' last axis: Megatron-LM splits them all by vocabulary)."""
     if op.op_type == "Embedding":
         return op.inputs[0].type.shape[0]
     if op.op_type == "EmbeddingGrad":
