@@ -54,20 +54,21 @@ def _mse_infer(name):
     return infer
 
 
-def _mse_denominator(attrs, pred) -> float:
-    # An empty batch has zero loss, not 0 / 0.
-    return float(max(pred.shape[0], 1) * int(attrs.get("shards", 1)))
+def _denominator(attrs, positions: int) -> float:
+    """A mean's denominator: the positions (rows, tokens) times the parts a transform
+    split the batch into. An empty batch has zero loss, not 0 / 0."""
+    return float(max(positions, 1) * int(attrs.get("shards", 1)))
 
 
 def _mse(attrs, inputs):
     pred, target = inputs
     diff = pred - target
-    return (np.asarray(np.sum(diff * diff) / _mse_denominator(attrs, pred)),)
+    return (np.asarray(np.sum(diff * diff) / _denominator(attrs, pred.shape[0])),)
 
 
 def _mse_grad(attrs, inputs):
     pred, target = inputs
-    return (2.0 * (pred - target) / _mse_denominator(attrs, pred),)
+    return (2.0 * (pred - target) / _denominator(attrs, pred.shape[0]),)
 
 
 register(
@@ -169,7 +170,7 @@ def _sce_setup(attrs, logits, labels):
             f"SoftmaxCrossEntropy: labels must be in [0, {classes}), got values in "
             f"[{np.min(labels)}, {np.max(labels)}]"
         )
-    return float(max(labels.size, 1) * int(attrs.get("shards", 1)))
+    return _denominator(attrs, labels.size)
 
 
 def _sce(attrs, inputs):
@@ -187,7 +188,7 @@ def _sce_grad(attrs, inputs):
         local, mine = labels, np.ones(labels.shape, bool)
     else:  # this part of the vocabulary, normalized by every part's statistics
         local, mine = local_ids(labels, logits.shape[-1], attrs, "SoftmaxCrossEntropyGrad")
-        denominator = float(max(labels.size, 1) * int(attrs.get("shards", 1)))
+        denominator = _denominator(attrs, labels.size)
         lse, _ = _parts_log_sum_exp(inputs[2])
         dlogits = np.exp(logits - lse[..., None])
     # Subtract the one-hot label without materializing it.
@@ -270,7 +271,7 @@ def _from_stats_infer(attrs, ins):
 
 def _from_stats(attrs, inputs):
     lse, picked = _parts_log_sum_exp(inputs[0])
-    return (np.asarray(np.sum(lse - picked) / float(max(lse.size, 1) * int(attrs.get("shards", 1)))),)
+    return (np.asarray(np.sum(lse - picked) / _denominator(attrs, lse.size)),)
 
 
 register(

@@ -206,13 +206,13 @@ class LayerFeatures:
             output_bytes=None if self.output_bytes is None else self.output_bytes[:, v],
         )
 
-    def zero_shards(self, degree: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """``[P]`` each part's weight and optimizer state bytes in one ZeRO shard over
-        ``degree`` replicas, and its update's share of the whole update's cost
-        (the shards' bytes over the weights': an update's flops and bytes grow
-        with its rows, alike for every weight of a part), when some weight's rows
-        must be padded (:func:`~distir_jax.transforms.data_parallel.zero_shard`);
-        else None (every share is ``1 / degree``)."""
+    def zero_shards(self, degree: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``[P]`` each part's optimizer state bytes in one ZeRO shard over ``degree``
+        replicas, and its update's share of the whole update's cost (the weight
+        shards' bytes over the weights': an update's flops and bytes grow with its
+        rows, alike for every weight of a part), when some weight's rows must be
+        padded (:func:`~distir_jax.transforms.data_parallel.zero_shard`); else None
+        (every share is ``1 / degree``)."""
         return _zero_shards(self, int(degree))
 
     def data_parallel(self, degree: int, zero: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -463,14 +463,13 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
 def _zero_shards(features: LayerFeatures, degree: int):
     if all(rows % degree == 0 for part in features.weight_bytes for rows, _, _ in part):
         return None
-    out = np.zeros((3, len(features.weight_bytes)))
+    out = np.zeros((2, len(features.weight_bytes)))
     for q, part in enumerate(features.weight_bytes):
-        out[0, q] = sum(zero_shard(w, rows, degree) for rows, w, _ in part)
-        out[1, q] = sum(zero_shard(st, rows, degree) for rows, _, st in part)
+        out[0, q] = sum(zero_shard(st, rows, degree) for rows, _, st in part)
         total = sum(w for _, w, _ in part)
-        out[2, q] = out[0, q] / total if total else 0.0
+        out[1, q] = sum(zero_shard(w, rows, degree) for rows, w, _ in part) / total if total else 0.0
     out.setflags(write=False)
-    return out[0], out[1], out[2]
+    return out[0], out[1]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -493,7 +493,7 @@ def mode_rows(
     # Modes whose ZeRO shards pad some weight's rows: each part's update per its shard's rows.
     padded = [(i, features.zero_shards(int(data[i]))) for i in np.flatnonzero(zero & (data > 1))]
     padded = [(i, shards) for i, shards in padded if shards is not None]
-    for i, (_, _, scale) in padded:
+    for i, (_, scale) in padded:
         adam[i][:, _SCALED] = features.optimizer[:, _SCALED] * scale[:, None]
     update_parts = adam + np.where(sync[:, None, None], reduce_parts + gather_parts, 0.0)
     other = np.concatenate(
@@ -506,13 +506,11 @@ def mode_rows(
     )
     alloc, free, params, state = _memory_base(features, layers, p)
     extra = np.zeros((m, p))
-    for i in np.flatnonzero(sync):
-        # Without ZeRO the reduction's peak does not depend on the degree (cache key).
-        key = (int(data[i]), True) if zero[i] else (1, False)
-        extra[i] = _reduction_peak(features, layers, p, *key)
+    for i in np.flatnonzero(sync & ~zero):  # ZeRO reduce-scatters in place: no rise
+        extra[i] = _reduction_peak(features, layers, p)
     # ZeRO's weight shards are views of the weights: only the state is sharded.
     resident = params + state / shard[:, None]  # [M, p]
-    for i, (_, state_shard, _) in padded:  # the state shards, padded rows included
+    for i, (state_shard, _) in padded:  # the state shards, padded rows included
         resident[i] = params + base.stage_coef @ state_shard
     data_inputs = k * features.data_bytes  # [S]
     resident = np.repeat(resident[:, None], s, axis=1)
@@ -807,21 +805,18 @@ def _collective(op_type: str, value, degree: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4096)  # by identity: cheaper to look up than hashing the gradients
-def _reduction_peak(features: LayerFeatures, layers: tuple, p: int, data: int, zero: bool) -> np.ndarray:
-    """``[p]`` bytes above the level after the backward pass while a stage's gradients are reduced.
+def _reduction_peak(features: LayerFeatures, layers: tuple, p: int) -> np.ndarray:
+    """``[p]`` bytes above the level after the backward pass while a stage's gradients are
+    all-reduced (without ZeRO, which reduce-scatters in place: no rise).
 
-    Without ZeRO the data-parallel transform all-reduces the gradients one by
-    one, each collective writing a new buffer as large as its gradient and
-    then freeing the gradient: a stage rises by its largest gradient. ZeRO
-    reduce-scatters in place: no rise.
+    The data-parallel transform all-reduces the gradients one by one, each
+    collective writing a new buffer as large as its gradient and then freeing
+    the gradient: a stage rises by its largest gradient, whatever the degree.
     """
-    if zero:
-        extra = np.zeros(p)
-    elif not features.per_layer:  # depends on the gradients only: shared by recompute policies and sizes
+    if not features.per_layer:  # depends on the gradients only: shared by recompute policies and sizes
         return _part_reduction_peak(features.grad_order, features.ends_are_blocks, layers, p)
-    else:
-        grads = [layer_stage_grads(features, layers, stage, p) for stage in range(p)]
-        extra = np.asarray([max(g, default=0.0) for g in grads], np.float64)
+    grads = [layer_stage_grads(features, layers, stage, p) for stage in range(p)]
+    extra = np.asarray([max(g, default=0.0) for g in grads], np.float64)
     extra.setflags(write=False)  # cached
     return extra
 

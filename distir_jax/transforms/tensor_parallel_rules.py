@@ -262,7 +262,7 @@ def _optimizer(op: Op, layouts) -> Plan:
 CROSS_ENTROPY = frozenset({"SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad"})
 
 
-def vocab_size(op: Op):
+def _vocab_size(op: Op):
     """The vocabulary an op with ``tp="vocab"`` works on (the token table's rows, the LM
     head's columns, the logits' last axis: Megatron-LM splits them all by vocabulary)."""
     if op.op_type == "Embedding":
@@ -278,7 +278,7 @@ def _vocab(op: Op, layouts, degree: int) -> Plan:
     """Vocabulary parallelism where ``degree`` divides the vocabulary; else whole values
     (also for ops an earlier split already cut by vocabulary: a second split keeps
     each part whole, replicated over its new ranks)."""
-    if not dim_divides(vocab_size(op), degree) or int(op.attr("vocab_parts", 1)) > 1:
+    if not dim_divides(_vocab_size(op), degree) or int(op.attr("vocab_parts", 1)) > 1:
         return _uniform(REPLICATED, op)
     last = sharded(op.inputs[0].type.rank - 1)
     if op.op_type == "Embedding":  # each rank looks up its rows: zeros elsewhere, partial sums
