@@ -285,11 +285,40 @@ def test_steady_templates_with_step_costs_are_checked_against_the_long_one(monke
     np.testing.assert_array_equal(_unrolled(steady), _signature(long))
     other = pipeline_template(p, k, v, "interleaved", "none")
     assert not np.array_equal(_signature(other), _signature(long))
-    built = coarse_steady.pipeline_template
+    # The check reads the long order's events (every mode's template is made of them).
+    other_events = coarse_steady.core_columns(p, k, v, "interleaved", None)
+    built = coarse_steady.core_columns
     monkeypatch.setattr(
-        coarse_steady, "pipeline_template", lambda p_, k_, *rest: other if k_ == k else built(p_, k_, *rest)
+        coarse_steady, "core_columns", lambda p_, k_, *rest: other_events if k_ == k else built(p_, k_, *rest)
     )
+    coarse_steady._core_period.cache_clear()
     assert steady_template(p, k, v, "interleaved", "none", step_costs=costs) is None
+    coarse_steady._core_period.cache_clear()
+
+
+@pytest.mark.parametrize("schedule, p, v", PIPELINES)
+@pytest.mark.parametrize("mode", ["none", "sync", "overlap", "overlap_zero"])
+def test_long_templates_in_the_transforms_order_are_the_short_one_repeated(schedule, p, v, mode):
+    """The transform's order (step costs) is checked once on the orders' events,
+    which every data-parallel mode shares: each mode's long template, exact
+    overlap segments and per-weight ZeRO updates included, is then its short
+    template with the period repeated."""
+    features = layer_features(GPT, 2, "attention", [4], topology())
+    layers = balanced_layers(features, p * v)
+    costs = transform_step_costs(features, layers, [0])
+    plan = (None, None)
+    if mode.startswith("overlap"):
+        plan = coarse_program.segment_plan(features, layers, mode == "overlap_zero")
+    step = p if schedule == "interleaved" else 1
+    found = 0
+    for k in range(step, 14 * p + 1, step):
+        steady = steady_template(p, k, v, schedule, mode, costs, *plan)
+        if steady is None:
+            continue
+        found += 1
+        long = pipeline_template(p, k, v, schedule, mode, costs, *plan)
+        np.testing.assert_array_equal(_unrolled(steady), _signature(long))
+    assert found >= 4
 
 
 @pytest.mark.parametrize("schedule, p, v, k", [("1f1b", 4, 1, 40), ("interleaved", 2, 2, 40)])

@@ -310,6 +310,21 @@ def pipeline_template(
     return _cached_built(*key, mode, segments, updates)
 
 
+def core_columns(pipeline: int, microbatches: int, virtual_stages: int, schedule: str, step_costs) -> list:
+    """What every data-parallel mode's template makes of each step and message of the
+    core (the order :func:`pipeline_template` issues them in, before a mode adds
+    its ops), ``[E]`` each: kind, chunk, stage, receiving stage, whether it is its
+    chunk's last backward, and whether its microbatch is a later one (not the
+    first). Up to its first last backward, a template's ops are these events one
+    for one (a mode adds ops only after last backwards, and at the end)."""
+    costs = None
+    if step_costs is not None:
+        step_costs = np.asarray(step_costs, np.float64)
+        costs = (step_costs.shape, tuple(step_costs.ravel().tolist()))
+    core = _cached_core(int(pipeline), int(microbatches), int(virtual_stages), schedule, costs)
+    return [core[name] for name in ("kind", "chunk", "stage", "stage2", "last_backward")] + [core["mb"] > 0]
+
+
 def hashable_plan(segments, updates) -> tuple:
     """``segments`` and ``updates`` (see :func:`pipeline_template`) as nested tuples, or None."""
     if segments is not None:

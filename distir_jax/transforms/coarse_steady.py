@@ -46,9 +46,11 @@ integer costs (:func:`~distir_jax.transforms.coarse_schedule.order_costs`), and
 with float ``1 + flops`` costs GPT-3 175B's long order was not the short one
 repeated (ties broke differently from period to period). A template built from
 step costs (the pipeline transform's order) is moreover checked op for op
-against the long template before it stands for it: its period is found in the
-long template itself, as the block it inserts ``r`` copies of, with no
-template of one period more.
+against the long order before it stands for it: its period is found in the
+long order's events themselves, as the block they insert ``r`` copies of, with
+no order of one period more. The events are what every data-parallel mode
+builds its template from, one op per event up to the first last backward, so
+one check serves all modes (:func:`_verified_period`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import numpy as np
 
 from distir_jax.transforms.coarse_pipeline import (
     PipelineTemplate,
+    core_columns,
     hashable_plan,
     pipeline_template,
     template_size,
@@ -281,7 +284,7 @@ def steady_template(
         step_costs = check_step_costs(step_costs, p * v)
         if not _exact_times(step_costs, k):
             return None
-    # With step costs (the pipeline transform's order) the long template is built
+    # With step costs (the pipeline transform's order) the long order is built
     # and must be the short one repeated: the order's periodicity is tested for
     # unit costs (and holds for GPT-3's costs rounded to integers), not proved.
     verify = step_costs is not None
@@ -296,9 +299,9 @@ def steady_template(
             continue
         family = (p, int(short_k), v, schedule, mode, costs, segments, updates)
         if verify:
-            # The period is found where the long template repeats it: that is the
+            # The period is found where the long order repeats it: that is the
             # check, and no template of one period more is needed to find it.
-            found = _short_in(_template(family, k), family)
+            found = _verified_period(family, k)
         else:
             found = _short(family)
         if found is not None:
@@ -328,6 +331,51 @@ def _short_in(long: PipelineTemplate, family: tuple) -> SteadyTemplate | None:
         return None
     found = _find_period(_signature_columns(_template(family)), _signature_columns(long), copies)
     return None if found is None else _with_period(family, *found)
+
+
+def _verified_period(family: tuple, microbatches: int) -> SteadyTemplate | None:
+    """:func:`_short`'s template of ``family`` if the long order (``microbatches``) is
+    the short one with its period repeated, found on the orders' events
+    (:func:`~distir_jax.transforms.coarse_pipeline.core_columns`), which every
+    data-parallel mode shares, rather than on each mode's long template.
+
+    That suffices: a mode makes each event before the first last backward one op
+    of its template (same index, and every column of the op's signature a
+    function of the event's columns), adds ops only after last backwards and at
+    the end (which do not depend on ``k``), and gives finish slots only to ops
+    from the first last backward on. A period that ends before the short
+    order's first last backward is then, op for op, a period of the mode's
+    template, and the long template is the short one with it repeated (tests
+    check this against long templates). The period is then moved on as far as
+    the template repeats (its ops see less of the events than the events
+    differ by): the period :func:`_short_in` finds in the long template, so the
+    results are the same to the last bit."""
+    p, short_k, v, schedule = family[:4]
+    found = _core_period(p, short_k, v, schedule, family[5], microbatches)
+    if found is None:
+        return None
+    begin, end = found
+    length = end - begin
+    ops = _signature_columns(_template(family))
+    repeats = np.ones(len(ops[0]) - end, bool)
+    for column in ops:
+        repeats &= column[end:] == column[begin : len(column) - length]
+    end += int(np.argmin(repeats)) if not repeats.all() else len(repeats)
+    return _with_period(family, end - length, end)
+
+
+@functools.lru_cache(maxsize=512)
+def _core_period(p: int, short_k: int, v: int, schedule: str, costs: tuple, microbatches: int):
+    """``(begin, end)`` of the period of the orders of ``short_k`` and ``microbatches``
+    (see :func:`_verified_period`), if it ends before the short order's first last backward."""
+    step_costs = np.asarray(costs, np.float64)
+    short = core_columns(p, short_k, v, schedule, step_costs)
+    long = core_columns(p, microbatches, v, schedule, step_costs)
+    found = _find_period(short, long, (microbatches - short_k) // microbatch_period(schedule, p))
+    last_backward = short[4]
+    if found is None or last_backward[: found[1]].any():
+        return None
+    return found
 
 
 def _exact_times(step_costs, microbatches: int) -> bool:
