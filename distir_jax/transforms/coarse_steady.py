@@ -339,19 +339,20 @@ def _verified_period(family: tuple, microbatches: int) -> SteadyTemplate | None:
     (:func:`~distir_jax.transforms.coarse_pipeline.core_columns`), which every
     data-parallel mode shares, rather than on each mode's long template.
 
-    That suffices: a mode makes each event before the first last backward one op
-    of its template (same index, and every column of the op's signature a
-    function of the event's columns), adds ops only after last backwards and at
-    the end (which do not depend on ``k``), and gives finish slots only to ops
-    from the first last backward on. A period that ends before the short
-    order's first last backward is then, op for op, a period of the mode's
-    template, and the long template is the short one with it repeated (tests
-    check this against long templates). The period is then moved on as far as
-    the template repeats (its ops see less of the events than the events
-    differ by): the period :func:`_short_in` finds in the long template, so the
-    results are the same to the last bit."""
-    p, short_k, v, schedule = family[:4]
-    found = _core_period(p, short_k, v, schedule, family[5], microbatches)
+    That suffices: a mode makes each event one op of its template, and every
+    column of the op's signature is a function of the event's kind, chunk,
+    stages and whether its microbatch is a later one; it adds ops only at the
+    end (which do not depend on ``k``), where the finish slots are, except
+    that the overlap modes also cut each last backward into segments and add
+    their reductions right after, with slots. So a period of those columns
+    is, op for op, a period of a mode's template, if in the overlap modes it
+    also ends before the short order's first last backward; the long
+    template is then the short one with it repeated (tests check this against
+    long templates). The period is then moved on as far as the template
+    repeats (its ops see less of the events than the events differ by), to
+    where :func:`_short_in` finds it in the long template."""
+    p, short_k, v, schedule, mode = family[:5]
+    found = _core_period(p, short_k, v, schedule, family[5], microbatches, mode.startswith("overlap"))
     if found is None:
         return None
     begin, end = found
@@ -365,15 +366,19 @@ def _verified_period(family: tuple, microbatches: int) -> SteadyTemplate | None:
 
 
 @functools.lru_cache(maxsize=512)
-def _core_period(p: int, short_k: int, v: int, schedule: str, costs: tuple, microbatches: int):
+def _core_period(
+    p: int, short_k: int, v: int, schedule: str, costs: tuple, microbatches: int, reductions: bool
+):
     """``(begin, end)`` of the period of the orders of ``short_k`` and ``microbatches``
-    (see :func:`_verified_period`), if it ends before the short order's first last backward."""
+    (see :func:`_verified_period`; ``reductions``: for the overlap modes, whose
+    templates add ops after last backwards)."""
     step_costs = np.asarray(costs, np.float64)
     short = core_columns(p, short_k, v, schedule, step_costs)
     long = core_columns(p, microbatches, v, schedule, step_costs)
+    if not reductions:  # the last backwards are ops like any other
+        short, long = short[:4] + short[5:], long[:4] + long[5:]
     found = _find_period(short, long, (microbatches - short_k) // microbatch_period(schedule, p))
-    last_backward = short[4]
-    if found is None or last_backward[: found[1]].any():
+    if found is None or (reductions and short[4][: found[1]].any()):
         return None
     return found
 
