@@ -321,6 +321,30 @@ def test_long_templates_in_the_transforms_order_are_the_short_one_repeated(sched
     assert found >= 4
 
 
+@pytest.mark.parametrize("mode", ["none", "sync"])
+def test_modes_without_reductions_check_the_order_without_last_backwards(mode):
+    """Their templates do not tell a last backward from another backward, so their
+    period may hold one (found by fuzzing: costs with a backward cheaper than
+    its forward, whose shortest order's period does); overlap modes, which
+    reduce after last backwards, find none there."""
+    costs = np.array(
+        [
+            [0.0705747, 13.86651075],
+            [0.06145347, 1.39236827],
+            [0.30459791, 0.18975016],
+            [0.36284176, 6.26640143],
+        ]
+    )
+    for k in (7, 8, 19):
+        steady = steady_template(4, k, 1, "1f1b", mode, costs)
+        assert steady is not None and steady.template.microbatches == 6, k
+        assert coarse_steady.core_columns(4, 6, 1, "1f1b", order_costs(costs))[4][: steady.period[1]].any()
+        np.testing.assert_array_equal(
+            _unrolled(steady), _signature(pipeline_template(4, k, 1, "1f1b", mode, costs))
+        )
+    assert steady_template(4, 7, 1, "1f1b", "overlap", costs) is None
+
+
 @pytest.mark.parametrize("schedule, p, v, k", [("1f1b", 4, 1, 40), ("interleaved", 2, 2, 40)])
 def test_the_period_check_sees_a_change_in_any_part_of_the_long_template(schedule, p, v, k):
     """The period is found where the long template inserts copies of it

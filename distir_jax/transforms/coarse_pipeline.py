@@ -315,8 +315,9 @@ def core_columns(pipeline: int, microbatches: int, virtual_stages: int, schedule
     core (the order :func:`pipeline_template` issues them in, before a mode adds
     its ops), ``[E]`` each: kind, chunk, stage, receiving stage, whether it is its
     chunk's last backward, and whether its microbatch is a later one (not the
-    first). Up to its first last backward, a template's ops are these events one
-    for one (a mode adds ops only after last backwards, and at the end)."""
+    first). A template's ops are these events one for one, then the mode's
+    ops at the end; the overlap modes also cut each last backward into
+    segments and add reductions after them."""
     costs = None
     if step_costs is not None:
         step_costs = np.asarray(step_costs, np.float64)

@@ -49,8 +49,8 @@ step costs (the pipeline transform's order) is moreover checked op for op
 against the long order before it stands for it: its period is found in the
 long order's events themselves, as the block they insert ``r`` copies of, with
 no order of one period more. The events are what every data-parallel mode
-builds its template from, one op per event up to the first last backward, so
-one check serves all modes (:func:`_verified_period`).
+builds its template from, one op per event (the overlap modes: up to the first
+last backward), so one check serves all modes (:func:`_verified_period`).
 """
 
 from __future__ import annotations
