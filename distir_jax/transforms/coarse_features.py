@@ -391,7 +391,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
     weights: list[list] = [[] for _ in range(num_parts)]
     for i, (op, (kind, part)) in enumerate(zip(fn.ops, labels, strict=True)):
         if kind == "opt" and op.op_type in ("SGD", "Adam"):
-            updates[part].append((op.inputs[1].name, float(op.inputs[0].type.num_bytes), linear[0, i]))
+            updates[part].append((op.inputs[1].name, linear[0, i]))
             weights[part].append((op.inputs[0].name, op.inputs[0].type))
     segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(num_parts))
     # Per-op flops and layers, for the pipeline transform's per-layer costs.

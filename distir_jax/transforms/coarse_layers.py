@@ -115,7 +115,7 @@ def layer_chunk_updates(features: LayerFeatures, layers: tuple, chunks) -> list[
             [
                 (q, u, position[(q, j, i)])
                 for i, q in enumerate(seq)
-                for u, (j, _, _) in enumerate(features.segments[q].updates)
+                for u, (j, _) in enumerate(features.segments[q].updates)
             ]
         )
     return out

@@ -299,10 +299,7 @@ def pipeline_template(
         raise ValueError("updates go with segments in mode 'overlap_zero', and only there")
     if step_costs is None and segments is None:
         return _cached_template(int(pipeline), int(microbatches), int(virtual_stages), schedule, mode)
-    costs = None
-    if step_costs is not None:  # hashable: the data-parallel modes of one pipeline share a core
-        step_costs = np.asarray(step_costs, np.float64)
-        costs = (step_costs.shape, tuple(step_costs.ravel().tolist()))
+    costs = _costs_key(step_costs)  # the data-parallel modes of one pipeline share a core
     # Cached whole: a sweep's keys that differ only in data-parallel degree share
     # a template (their step costs are the pipeline transform's, before data
     # parallelism splits the microbatches), and with it its derived tables.
@@ -318,12 +315,17 @@ def core_columns(pipeline: int, microbatches: int, virtual_stages: int, schedule
     first). A template's ops are these events one for one, then the mode's
     ops at the end; the overlap modes also cut each last backward into
     segments and add reductions after them."""
-    costs = None
-    if step_costs is not None:
-        step_costs = np.asarray(step_costs, np.float64)
-        costs = (step_costs.shape, tuple(step_costs.ravel().tolist()))
-    core = _cached_core(int(pipeline), int(microbatches), int(virtual_stages), schedule, costs)
+    key = (int(pipeline), int(microbatches), int(virtual_stages), schedule, _costs_key(step_costs))
+    core = _cached_core(*key)
     return [core[name] for name in ("kind", "chunk", "stage", "stage2", "last_backward")] + [core["mb"] > 0]
+
+
+def _costs_key(step_costs) -> tuple | None:
+    """``step_costs`` as the cores' cache key (hashable), or None."""
+    if step_costs is None:
+        return None
+    step_costs = np.asarray(step_costs, np.float64)
+    return step_costs.shape, tuple(step_costs.ravel().tolist())
 
 
 def hashable_plan(segments, updates) -> tuple:

@@ -637,7 +637,7 @@ def _chunk_updates(features: LayerFeatures, coef: np.ndarray, chunks) -> list[li
             [
                 (q, u, position[(q, j, copy)])
                 for q, copy in parts
-                for u, (j, _, _) in enumerate(features.segments[q].updates)
+                for u, (j, _) in enumerate(features.segments[q].updates)
             ]
         )
     return out
@@ -775,7 +775,7 @@ def _update_values(features: LayerFeatures, data: int) -> tuple:
     w_cost, w_free = np.zeros((s, u, _F)), np.zeros(u)
     g_cost = np.zeros((u, _F))
     for (q, w), i in keys.items():
-        j, _, update = features.segments[q].updates[w]
+        j, update = features.segments[q].updates[w]
         grad = features.segments[q].grads[j]
         rows = int(grad.shape[0])  # ZeRO pads rows the degree does not divide
         w_cost[:, i] = np.where(scaled, zero_shard(update, rows, data), update)

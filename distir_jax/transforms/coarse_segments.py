@@ -50,7 +50,7 @@ class PartSegments:
         microbatch, input freed here]``.
       grads: the type of the gradient each segment ends with (None: the tail).
       updates: the part's weights in optimizer order: ``(segment of its
-        gradient, weight bytes, [F] linear cost of its update)``.
+        gradient, [F] linear cost of its update)``.
     """
 
     cost: np.ndarray
@@ -120,7 +120,7 @@ class BackwardOps:
         """The part's segments; ``features`` ``[S, N, F]`` are the fine ops' linear costs.
 
         ``updates``: the part's optimizer updates in program order, ``(gradient
-        name, weight bytes, [F] linear cost)`` each.
+        name, [F] linear cost)`` each.
         """
         cost, grads, names, current = [], [], [], np.zeros(features[:, 0].shape)
         for i in self.ops[part]:
@@ -138,7 +138,7 @@ class BackwardOps:
         ]
         rise = np.asarray([[r for r, _ in row] for row in variants])
         net = np.asarray([[n for _, n in row] for row in variants])
-        ordered = tuple((names.index(name), nbytes, update) for name, nbytes, update in updates)
+        ordered = tuple((names.index(name), update) for name, update in updates)
         return PartSegments(np.stack(cost), accumulate, rise, net, tuple(grads), ordered)
 
 

@@ -524,10 +524,11 @@ class _Replicator:
         """ZeRO: the optimizer on each replica's shard, then all-gather the weight."""
         weight = op.inputs[0]
         views = weight.name not in self.dropped
+        pad = zero_scatter_attrs(weight.type, self.degree)
         shards = []
         for r in self.replicas:
             if views:  # the shard this replica updates is part of its weight's buffer
-                attrs = dict(parts=self.degree, index=r, **zero_scatter_attrs(weight.type, self.degree))
+                attrs = dict(parts=self.degree, index=r, **pad)
                 name = f"{weight.name}.dp{r}.master"
                 view = self._one("Shard", [self.env[r][weight.name]], name, axis=0, **attrs, **grad.at("opt"))
                 self.masters[r][weight.name] = view
