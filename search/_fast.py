@@ -89,8 +89,12 @@ def fast_unsupported(config: Config) -> str:
     model = config.model_config
     if not isinstance(model, (TransformerConfig, MLPConfig)):
         return f"the fast engine models GPT and MLP training steps, not {type(model).__name__}"
-    if config.sequence_parallel:
-        return "the fast engine does not model sequence parallelism"
+    if config.sequence_parallel and not isinstance(model, TransformerConfig):
+        return "the fast engine models sequence parallelism in GPTs only"
+    if config.sequence_parallel and config.data > 1 and not config.overlap_grad_comm:
+        # One coarse op per stage holds the reductions and the updates, on the
+        # data-parallel group's link; the LayerNorms' syncs use the tensor group's.
+        return "the fast engine models sequence parallelism with data parallelism only with gradient overlap"
     # Under tensor parallelism an MLP's blocks are (column, row) layer pairs;
     # a pipeline cut that splits one is modelled per layer (see _prepare).
     if isinstance(model, MLPConfig):
@@ -212,9 +216,17 @@ class FastEngine:
         sizes = self._sizes.get(key) or tuple(
             sorted({c.microbatch_size for c in group} | {c.microbatch_size * c.data for c in group})
         )
-        model, tensor, recompute, optimizer, hardware, dtype = key
+        model, tensor, recompute, optimizer, hardware, dtype, sequence_parallel = key
         topology = self._measured_on(_measure_topology(hardware, dtype, tensor))
-        features = layer_features(model, tensor, recompute, sizes, topology, optimizer=optimizer)
+        features = layer_features(
+            model,
+            tensor,
+            recompute,
+            sizes,
+            topology,
+            optimizer=optimizer,
+            sequence_parallel=sequence_parallel,
+        )
         # The exact engine builds this key with its own batch sizes as variants, and
         # the pipeline transform, which runs before data parallelism, cuts stages
         # and orders steps by the mean flops of its microbatches (d replicas'
@@ -273,6 +285,7 @@ def _measure_key(config: Config) -> tuple:
         config.optimizer,
         config.hardware,
         HARDWARE_DTYPE.get(config.dtype, config.dtype),
+        config.sequence_parallel,
     )
 
 

@@ -208,6 +208,7 @@ def test_representative_data_replica_matches_the_full_program(zero):
 HYBRIDS = {
     "tensor": (["tensor_parallel"], ParallelConfig(data=2, tensor=2)),
     "tensor_sp": (["tensor_parallel"], ParallelConfig(tensor=2, sequence_parallel=True)),
+    "tensor_sp_data": (["tensor_parallel"], ParallelConfig(data=2, tensor=2, sequence_parallel=True)),
     "pipeline_1f1b": (["pipeline"], ParallelConfig(data=2, pipeline=2, microbatches=2)),
     "pipeline_gpipe": (["pipeline"], ParallelConfig(pipeline=2, microbatches=4, schedule="gpipe")),
     "recompute": (["recompute"], ParallelConfig(data=2, recompute="full")),
@@ -220,6 +221,19 @@ HYBRIDS = {
             microbatches=2,
             recompute="attention",
             zero=True,
+            overlap_grad_comm=True,
+        ),
+    ),
+    "all_sp": (
+        ["tensor_parallel", "pipeline", "recompute"],
+        ParallelConfig(
+            data=2,
+            tensor=2,
+            pipeline=2,
+            microbatches=2,
+            recompute="full",
+            zero=True,
+            sequence_parallel=True,
             overlap_grad_comm=True,
         ),
     ),

@@ -233,8 +233,18 @@ def test_a_long_pipeline_summarized_from_its_steady_program(steady_everywhere):
             tensor=2, pipeline=2, microbatches=4, schedule="interleaved", virtual_stages=2, optimizer="adam"
         ),
         dict(data=4, zero=True, recompute="full", optimizer="sgd"),
+        dict(
+            data=2,
+            tensor=2,
+            pipeline=2,
+            microbatches=4,
+            zero=True,
+            overlap_grad_comm=True,
+            sequence_parallel=True,
+            optimizer="adam",
+        ),
     ],
-    ids=["pipeline-zero-overlap", "tensor-interleaved", "zero-sgd"],
+    ids=["pipeline-zero-overlap", "tensor-interleaved", "zero-sgd", "sequence-parallel-zero"],
 )
 @pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half"])
 def test_half_precision_rows_are_the_fine_programs(knobs, precision):
@@ -254,7 +264,7 @@ def test_half_precision_rows_are_the_fine_programs(knobs, precision):
 def test_a_summary_the_fast_engine_cannot_give_is_the_exact_engines():
     from search.single import SingleResult, make_config, summarize_config
 
-    config = make_config(TINY_GPT, world_size=2, tensor=2, sequence_parallel=True, batch_size=4)
+    config = make_config(TINY_GPT, world_size=4, tensor=2, data=2, sequence_parallel=True, batch_size=4)
     assert fast_unsupported(config)
     result = summarize_config(config)
     assert isinstance(result, SingleResult) and result.row["engine"] == "exact"
@@ -290,8 +300,18 @@ def _step_spans(events) -> dict:
         dict(
             model=TINY_GPT, world_size=2, pipeline=2, microbatches=4, schedule="interleaved", virtual_stages=2
         ),
+        dict(
+            model=TINY_GPT,
+            world_size=8,
+            tensor=2,
+            data=2,
+            pipeline=2,
+            microbatches=4,
+            sequence_parallel=True,
+            overlap_grad_comm=True,
+        ),
     ],
-    ids=["mlp", "tensor-recompute", "zero-overlap", "interleaved"],
+    ids=["mlp", "tensor-recompute", "zero-overlap", "interleaved", "sequence-parallel"],
 )
 def test_a_coarse_trace_spans_each_steps_fine_ops(knobs):
     from search.single import coarse_chrome_trace, make_config, simulate_config
@@ -336,7 +356,7 @@ def test_a_coarse_trace_spans_each_steps_fine_ops(knobs):
 def test_no_coarse_trace_where_the_fast_engine_does_not_model_the_configuration():
     from search.single import coarse_chrome_trace, make_config
 
-    config = make_config(TINY_GPT, world_size=2, tensor=2, sequence_parallel=True, batch_size=4)
+    config = make_config(TINY_GPT, world_size=4, tensor=2, data=2, sequence_parallel=True, batch_size=4)
     with pytest.raises(ValueError, match="sequence parallelism"):
         coarse_chrome_trace(config)
 
@@ -357,10 +377,49 @@ def test_rows_the_fast_engine_does_not_model_run_exact():
     for c, engine, status in zip(configs, table["engine"], table["status"], strict=True):
         if status == "invalid":
             assert engine == ""
-        elif c.sequence_parallel:
+        elif c.sequence_parallel and c.data > 1 and not c.overlap_grad_comm:
             assert engine == "exact" and fast_unsupported(c), c
         else:
             assert engine == "fast", c
+
+
+def test_sequence_parallel_rows_match_the_exact_engine():
+    """Megatron sequence parallelism in the fast engine: blocks measured under it,
+    messages of ``1 / t`` of the sequence, and each update holding its LayerNorm
+    gradient's in-place tensor-group sync (after the data-parallel reductions in
+    the backward, Megatron-LM's order), for every schedule, recompute policy and
+    data-parallel mode with overlap; step time, peak memory and breakdown equal
+    the exact engine's."""
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(2, 4, 8),
+        global_batch_sizes=(16,),
+        microbatches=(2, 4),
+        schedules=("gpipe", "1f1b", "interleaved"),
+        recompute=("none", "full"),
+        zero=(False, True),
+        overlap_grad_comm=(True,),
+        sequence_parallel=(True,),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and c.sequence_parallel]
+    assert len(configs) >= 70 and {c.data for c in configs} == {1, 2, 4}
+    fast = _assert_same_as_exact(configs)
+    assert (fast["status"] == "ok").all()
+
+
+def test_sequence_parallelism_halves_messages_and_keeps_the_layer_norm_syncs():
+    """What the fast engine's sequence-parallel features say, against the fine block."""
+    topology = get_preset("dgx-a100-80gb:2")
+    plain = layer_features(TINY_GPT, 2, "none", [4], topology)
+    parallel = layer_features(TINY_GPT, 2, "none", [4], topology, sequence_parallel=True)
+    np.testing.assert_allclose(parallel.message_bytes, plain.message_bytes / 2)
+    # A block's four LayerNorm weights each sync 2 (t - 1) / t of their bytes.
+    volume = list(parallel.optimizer[1] - plain.optimizer[1])[5]
+    ln_bytes = 4 * TINY_GPT.hidden * 4
+    assert volume == pytest.approx(ln_bytes)
+    with pytest.raises(ValueError, match="sequence_parallel applies to GPTs under tensor parallelism"):
+        layer_features(TINY_GPT, 1, "none", [4], get_preset("dgx-a100-80gb:1"), sequence_parallel=True)
 
 
 def _split_pairs(config) -> bool:

@@ -101,7 +101,9 @@ register(
 )
 
 # --------------------------------------------------------------------------- #
-# AllReduce: every member gets the sum.
+# AllReduce: every member gets the sum. With inplace=True each member's sum is
+# written into its operand's buffer (as Megatron-LM all-reduces LayerNorm
+# gradients in place): no new memory.
 
 
 def _allreduce_infer(attrs, ins):
@@ -121,6 +123,7 @@ register(
         _ring(lambda g: 2 * (g - 1) / g, 2),
         _allreduce_eval,
         single_device=False,
+        aliases=aliases_if_inplace,
     )
 )
 

@@ -48,7 +48,12 @@ from distir_jax.models.mlp import mlp_training_step
 from distir_jax.models.transformer import transformer_training_step
 from distir_jax.transforms.coarse_fuse import fuse_groups
 from distir_jax.transforms.coarse_segments import backward_ops, linear_features
-from distir_jax.transforms.data_parallel import zero_scatter_attrs, zero_shard
+from distir_jax.transforms.data_parallel import (
+    OPTIMIZER_GRADIENT,
+    gradient_to_reduce,
+    zero_scatter_attrs,
+    zero_shard,
+)
 
 __all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features", "layer_parts"]
 
@@ -116,6 +121,7 @@ class LayerFeatures:
       output_bytes: ``[P, S]`` with ``per_layer``: bytes a part's output
         crosses a pipeline boundary with (a column layer's Relu output is a
         ``1 / t`` feature shard), else None.
+      sequence_parallel: measured under Megatron sequence parallelism.
     """
 
     model: TransformerConfig | MLPConfig
@@ -145,6 +151,7 @@ class LayerFeatures:
     output_used_by_own_backward: bool = False
     per_layer: bool = False
     output_bytes: np.ndarray | None = None
+    sequence_parallel: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -249,11 +256,13 @@ def layer_features(
     *,
     optimizer: str = "adam",
     per_layer: bool = False,
+    sequence_parallel: bool = False,
 ) -> LayerFeatures:
     """Features of ``model``'s parts under tensor degree ``tensor`` and a recompute policy.
 
     Cached by ``(model, tensor, recompute, microbatch sizes, topology,
-    optimizer)``; the model carries its dtype and the topology its hardware.
+    optimizer, per_layer, sequence_parallel)``; the model carries its dtype and
+    the topology its hardware.
 
     Args:
       model: a GPT or an MLP configuration (its ``num_layers`` is ignored: a
@@ -269,6 +278,10 @@ def layer_features(
       per_layer: an MLP under tensor parallelism measured per layer rather
         than per (column, row) pair (see ``LayerFeatures.per_layer``), for
         pipeline cuts that split a pair.
+      sequence_parallel: a GPT under Megatron sequence parallelism
+        (``tensor > 1``): its blocks' messages are ``1 / tensor`` of the
+        sequence, and each update includes the tensor group's in-place
+        all-reduce of a LayerNorm gradient (see :mod:`~distir_jax.transforms.tensor_parallel`).
 
     Returns:
       A :class:`LayerFeatures`.
@@ -281,7 +294,14 @@ def layer_features(
         raise ValueError(
             f"per_layer applies to MLPs under tensor parallelism, got {model!r}, tensor={tensor}"
         )
-    return _layer_features(model, int(tensor), recompute, sizes, topology, optimizer, per_layer)
+    sequence_parallel = bool(sequence_parallel)
+    if sequence_parallel and not (isinstance(model, TransformerConfig) and tensor > 1):
+        raise ValueError(
+            f"sequence_parallel applies to GPTs under tensor parallelism, got {model!r}, tensor={tensor}"
+        )
+    return _layer_features(
+        model, int(tensor), recompute, sizes, topology, optimizer, per_layer, sequence_parallel
+    )
 
 
 def layer_parts(num_layers: int) -> tuple[int, ...]:
@@ -296,7 +316,7 @@ def layer_parts(num_layers: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _parallel_step(model, tensor: int, sizes: tuple, optimizer: str):
+def _parallel_step(model, tensor: int, sizes: tuple, optimizer: str, sequence_parallel: bool = False):
     """The measured model's training step under tensor parallelism (shared by the
     recompute policies, which are applied after it), how many layers make a
     block, and the bytes of a message and of a microbatch's data per sample."""
@@ -319,17 +339,23 @@ def _parallel_step(model, tensor: int, sizes: tuple, optimizer: str):
         per_block = 1
         fn = transformer_training_step(dataclasses.replace(model, num_layers=1), batch, optimizer=optimizer)
         message = model.seq_len * model.hidden * DTYPE_BYTES[model.dtype]
+        if sequence_parallel:  # a block's output holds 1 / t of the sequence
+            message /= tensor
         data = model.seq_len * DTYPE_BYTES["i32"]  # token ids (labels are as large)
     if tensor > 1:
-        fn = tensor_parallel(fn, tensor, representative_only=True).function
+        fn = tensor_parallel(
+            fn, tensor, sequence_parallel=sequence_parallel, representative_only=True
+        ).function
     return fn, per_block, message, data
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer=False) -> LayerFeatures:
+def _layer_features(
+    model, tensor, policy, sizes, topology, optimizer, per_layer=False, sequence_parallel=False
+) -> LayerFeatures:
     from distir_jax.transforms.recompute import recompute as recompute_transform
 
-    fn, per_block, message, data = _parallel_step(model, tensor, sizes, optimizer)
+    fn, per_block, message, data = _parallel_step(model, tensor, sizes, optimizer, sequence_parallel)
     if isinstance(model, MLPConfig):
 
         def part_of(layer):  # blocks: the first (embedding part), a middle one, the last with the loss
@@ -389,9 +415,19 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
     linear = linear_features(fine, topology, s)
     updates: list[list] = [[] for _ in range(num_parts)]
     weights: list[list] = [[] for _ in range(num_parts)]
+    producers = {v.name: op for op in fn.ops for v in op.outputs}
+    # A tensor group's sync of a gradient (sequence parallelism's LayerNorms,
+    # in place) runs right before its update: the update's cost includes it.
+    syncs = {
+        op.outputs[0].name: linear[0, i]
+        for i, (op, (kind, _)) in enumerate(zip(fn.ops, labels, strict=True))
+        if kind == "opt" and op.op_type == "AllReduce"
+    }
     for i, (op, (kind, part)) in enumerate(zip(fn.ops, labels, strict=True)):
-        if kind == "opt" and op.op_type in ("SGD", "Adam"):
-            updates[part].append((op.inputs[1].name, linear[0, i]))
+        if kind == "opt" and op.op_type in OPTIMIZER_GRADIENT:
+            grad = op.inputs[OPTIMIZER_GRADIENT[op.op_type]]
+            cost = linear[0, i] + syncs.get(grad.name, 0.0)
+            updates[part].append((gradient_to_reduce(producers, grad).name, cost))
             weights[part].append((op.inputs[0].name, op.inputs[0].type))
     segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(num_parts))
     # Per-op flops and layers, for the pipeline transform's per-layer costs.
@@ -405,7 +441,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
     grads: list[list] = [[] for _ in range(num_parts)]
     weight_bytes: list[list] = [[] for _ in range(num_parts)]
     for op in fn.ops:
-        if op.attr("phase") != "opt":
+        if op.attr("phase") != "opt" or op.op_type not in OPTIMIZER_GRADIENT:
             continue
         part = part_of(op.attr("layer"))
         nbytes = float(op.inputs[0].type.num_bytes)
@@ -456,6 +492,7 @@ def _layer_features(model, tensor, policy, sizes, topology, optimizer, per_layer
         output_used_by_own_backward=isinstance(model, MLPConfig) and policy != "full",
         per_layer=per_layer,
         output_bytes=output_bytes,
+        sequence_parallel=sequence_parallel,
     )
 
 

@@ -42,6 +42,7 @@ from distir_jax.transforms.coarse_layers import (
 from distir_jax.transforms.coarse_pipeline import (
     SEND_ACTIVATION,
     SEND_GRADIENT,
+    UPDATE,
     PipelineTemplate,
     data_mode,
     pipeline_template,
@@ -73,8 +74,14 @@ __all__ = [
 _F = len(COST_FEATURES)
 _VOLUME, _HOPS = COST_FEATURES.index("comm_volume"), COST_FEATURES.index("comm_hops")
 # Features that scale with the size of a ZeRO shard (launches do not).
-_SCALED = [COST_FEATURES.index(name) for name in ("flops", "mem_bytes", "linear_flops", "linear_bytes")]
+# Features of an update that a ZeRO shard divides (a sequence-parallel update's
+# tensor-group sync moves the shard's bytes; hops and launches stay).
+_SCALED = [
+    COST_FEATURES.index(name)
+    for name in ("flops", "mem_bytes", "linear_flops", "linear_bytes", "comm_volume")
+]
 _EMBED, _BLOCK, _HEAD = range(3)
+_TENSOR_LINK = 1  # PipelineTemplate.link_kind of the tensor-parallel group's link
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +101,10 @@ class ChunkTables:
         ``per_layer``: a message after a column layer is a feature shard):
         cost rows ``b`` and memory rows ``b`` (activation) and ``n + b``
         (gradient) for the boundary after chunk ``b``; they follow all others.
+      tensor_syncs: the updates sync LayerNorm gradients over the tensor group
+        (sequence parallelism): outside mode ``"sync"`` (whose update talks to
+        the data-parallel group) they are costed on that group's link, not on
+        their own device (see :func:`realize`).
     """
 
     cost: np.ndarray
@@ -101,6 +112,7 @@ class ChunkTables:
     free: np.ndarray
     resident: np.ndarray
     message_rows: tuple[int, int] | None = None
+    tensor_syncs: bool = False
 
 
 def balanced_layers(features: LayerFeatures, num_chunks: int) -> np.ndarray:
@@ -401,6 +413,8 @@ def chunk_tables(
         tables = _with_segments(tables, features, layers, k, data, zero)
     if features.per_layer:
         tables = _with_boundary_messages(tables, features, layers)
+    if features.sequence_parallel:
+        tables = dataclasses.replace(tables, tensor_syncs=True)
     return tables
 
 
@@ -892,6 +906,8 @@ def realize(
     resource = np.where(used, slot_device * streams + stream, NO_RESOURCE).astype(np.int32)
     first = np.maximum(stage[:, 0], 0)
     link_kind = template.link_kind
+    if tables.tensor_syncs and template.mode != "sync":  # the updates talk to the tensor group
+        link_kind = np.where(template.kind == UPDATE, _TENSOR_LINK, link_kind)
     link = links_by_kind(link_kind, slot_device, tp_link[first], dp_link[first]).astype(np.int32)
     cost = tables.cost[:, cost_row]  # [S, N, F]
     alloc = tables.alloc[:, memory_row]  # [S, N, 2]

@@ -32,6 +32,7 @@ import numpy as np
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.registry import get_spec
 from distir_jax.transforms.coarse_fuse import roofline_terms
+from distir_jax.transforms.data_parallel import OPTIMIZER_GRADIENT, gradient_to_reduce
 
 __all__ = ["BackwardOps", "PartSegments", "add_features", "backward_ops", "linear_features"]
 
@@ -152,8 +153,14 @@ def backward_ops(fn, fine, labels, num_variants: int, num_parts: int = 3) -> Bac
 
     producer = {v.name: i for i, op in enumerate(fn.ops) for v in op.outputs}
     type_of = {v.name: v.type for op in fn.ops for v in op.outputs}
-    # What the optimizer updates with: the sums a pipeline accumulates.
-    updated = {op.inputs[1].name for op, (kind, _) in zip(fn.ops, labels, strict=True) if kind == "opt"}
+    # What the optimizer updates with: the sums a pipeline accumulates (before a
+    # tensor group's sync of them, which belongs to the update).
+    producer_op = {v.name: op for op in fn.ops for v in op.outputs}
+    updated = {
+        gradient_to_reduce(producer_op, op.inputs[OPTIMIZER_GRADIENT[op.op_type]]).name
+        for op in fn.ops
+        if op.attr("phase") == "opt" and op.op_type in OPTIMIZER_GRADIENT
+    }
     ops: list[list[int]] = [[] for _ in range(num_parts)]
     last_read: dict[tuple[int, str], int] = {}  # (part, its input) -> op of the last read in its backward
     grads: dict[int, list] = {}

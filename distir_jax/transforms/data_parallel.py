@@ -17,7 +17,9 @@ other transforms already spread over several devices:
   op (``SGD`` / ``Adam`` with ``phase="opt"``): after any microbatch
   accumulation, and one per old device when a weight is sharded, so no
   ``grad_of`` bookkeeping is needed. Each gets an ``AllReduce`` (sum) over its
-  replicas' copies.
+  replicas' copies. A gradient that a tensor group's ``AllReduce`` syncs in
+  the optimizer phase (a LayerNorm's under sequence parallelism) is reduced
+  before that sync, in the backward pass, as Megatron-LM does.
 * **Placement.** Without ``overlap`` the reductions of an old device are issued
   together right before the first op that needs one of them (its optimizer),
   as DistIR does after the whole backward pass. With ``overlap`` each one is
@@ -79,7 +81,9 @@ from distir_jax.transforms.base import Distributed, InputSlice, Program, Recipe,
 
 __all__ = [
     "MAX_BUCKET_PIECES",
+    "OPTIMIZER_GRADIENT",
     "data_parallel",
+    "gradient_to_reduce",
     "zero_padding",
     "zero_scatter_attrs",
     "zero_shard",
@@ -93,7 +97,7 @@ _STATE_RE = re.compile(r"^l\d+\.")
 # Op attributes that hold device indices and must follow a replica's devices.
 _DEVICE_ATTRS = ("to", "devices", "group")
 # Optimizer op types and the operand index of their gradient.
-_OPTIMIZERS = {"SGD": 1, "Adam": 1}
+OPTIMIZER_GRADIENT = {"SGD": 1, "Adam": 1}
 
 
 class _Grad(NamedTuple):
@@ -224,6 +228,24 @@ def zero_shard(total, rows: int, degree: int):
     return total / rows * -(-rows // degree)
 
 
+def gradient_to_reduce(producers: dict[str, Op], grad: Value) -> Value:
+    """The value whose replicas are summed for an optimizer's gradient operand ``grad``
+    (``producers``: value name -> the op that outputs it).
+
+    Where ``grad`` is the result of an ``AllReduce`` in the optimizer phase
+    (tensor parallelism's sync of a gradient that is a partial sum over ranks:
+    a LayerNorm's under sequence parallelism), its operand on the same device
+    is reduced instead, during the backward pass, and the sync then sums the
+    reduced values: the same sum, in Megatron-LM's order
+    (``finalize_model_grads``: data-parallel reductions in the backward, then
+    the tensor group's all-reduce of LayerNorm gradients, then the step).
+    """
+    producer = producers.get(grad.name)
+    if producer is None or producer.op_type != "AllReduce" or producer.attr("phase") != "opt":
+        return grad
+    return producer.inputs[[v.name for v in producer.outputs].index(grad.name)]
+
+
 def _fits(bucket: list[_Grad], grad: _Grad, cap: float) -> bool:
     """Whether ``grad`` may join ``bucket`` (see the module docstring)."""
     if not bucket:
@@ -267,15 +289,16 @@ class _Replicator:
     # Analysis of the input program.
 
     def _find_gradients(self) -> None:
+        self.producers = {v.name: op for op in self.fn.ops for v in op.outputs}
         for index, op in enumerate(self.fn.ops):
             if op.attr("phase") != "opt" or op.attr("weight") is None:
                 continue
-            if op.op_type not in _OPTIMIZERS:
+            if op.op_type not in OPTIMIZER_GRADIENT:
                 raise ValueError(
                     f"data_parallel: op #{index} {op.op_type} updates weight {op.attr('weight')!r}, but only "
-                    f"{sorted(_OPTIMIZERS)} are known optimizer ops"
+                    f"{sorted(OPTIMIZER_GRADIENT)} are known optimizer ops"
                 )
-            v = op.inputs[_OPTIMIZERS[op.op_type]]
+            v = gradient_to_reduce(self.producers, op.inputs[OPTIMIZER_GRADIENT[op.op_type]])
             grad = _Grad(v.name, v.type.device, int(op.attr("layer", 0)), v.type)
             self.grads[v.name] = grad
             self.updates[index] = grad
@@ -532,7 +555,9 @@ class _Replicator:
                 name = f"{weight.name}.dp{r}.master"
                 view = self._one("Shard", [self.env[r][weight.name]], name, axis=0, **attrs, **grad.at("opt"))
                 self.masters[r][weight.name] = view
-            ins = [self.masters[r][weight.name], self.env[r][grad.name]]
+            # The optimizer's own gradient operand: a tensor group's sync of the
+            # reduced value where there is one (`gradient_to_reduce`).
+            ins = [self.masters[r][weight.name], self.env[r][op.inputs[OPTIMIZER_GRADIENT[op.op_type]].name]]
             ins += [self.env[r][v.name] for v in op.inputs[2:]]
             names = [f"{op.outputs[0].name}.dp{r}.shard"] + [f"{v.name}.dp{r}" for v in op.outputs[1:]]
             outs = self._add(op.op_type, ins, names, self._remap(op.attr_dict, r), f"sharded {op.op_type}")
@@ -575,7 +600,7 @@ def _output_kinds(fn: Function, data: set[str], grads: dict, zero: bool) -> dict
     kinds = {v.name: "concat" if v.name in data else "replica" for v in fn.inputs}
     for op in fn.ops:
         found = {kinds[v.name] for v in op.inputs}
-        if op.attr("phase") == "opt" and op.op_type in _OPTIMIZERS:
+        if op.attr("phase") == "opt" and op.op_type in OPTIMIZER_GRADIENT:
             out = ["replica"] + ["concat" if zero else "replica"] * (len(op.outputs) - 1)
         elif "sum" in found or (op.attr("shards") is not None and all(v.type.rank == 0 for v in op.outputs)):
             out = ["sum"] * len(op.outputs)

@@ -56,7 +56,10 @@ token, i.e. batch, axis of the MLP's ``[B, H]``). Per block:
   does, instead of keeping the forward's copy alive), ``ReduceScatter`` of each
   ``col`` input gradient into its ``LayerNormGrad`` (4 + 2);
 * optimizer: LayerNorm gains and biases get an ``AllReduce`` of their
-  gradients, which are partial sums over sequence parts.
+  gradients, which are partial sums over sequence parts, in place, right
+  before their updates (data parallelism then reduces the partial sums in the
+  backward pass and the sync sums the reduced ones, Megatron-LM's order: see
+  :mod:`~distir_jax.transforms.data_parallel`).
 
 The embedding's partial sums are reduce-scattered along the sequence (a
 vocabulary the degree does not divide: its replicated output is cut locally,

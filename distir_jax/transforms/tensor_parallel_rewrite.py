@@ -257,7 +257,11 @@ class Rewriter:
         parts = self._parts[name]
         if target == REPLICATED:
             if layout == PARTIAL:
-                return self._collective("AllReduce", parts, {}, f"{name}.allreduce", consumer)
+                # A gradient's sync right before its update (a LayerNorm's under sequence
+                # parallelism, partial over sequence parts) sums in place, as Megatron-LM's
+                # does: nothing else reads the partial sums.
+                attrs = {"inplace": True} if consumer.attr("phase") == "opt" else {}
+                return self._collective("AllReduce", parts, attrs, f"{name}.allreduce", consumer)
             phase = consumer.attr("phase")
             base = f"{name}.allgather" if phase in (None, "fwd") else f"{name}.allgather_{phase}"
             return self._collective("AllGather", parts, {"axis": layout.axis}, base, consumer)
