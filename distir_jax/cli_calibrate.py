@@ -53,7 +53,7 @@ def add_calibrate_parser(sub, field_names, add_presets_option) -> None:
         choices=("fast", "exact"),
         help="fast: each strategy's coarse program (built in milliseconds, GPT-3 175B "
         "included), refitted until it is exact on the calibrated figures; strategies it does "
-        "not model (sequence parallelism) run exact. exact: the fine programs the transforms "
+        "not model (sequence parallelism in an MLP, say) run exact. exact: the fine programs the transforms "
         "build (minutes for GPT-3-sized pipelines). Default: fast",
     )
     c.add_argument(

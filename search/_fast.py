@@ -42,8 +42,16 @@ see :mod:`distir_jax.transforms.coarse_layers`): chunks are layer ranges, and
 a message after a column layer is its Relu output's feature shard. Such keys
 with interleaved stages run their long programs (no steady short one).
 
-Rows the fast engine does not model (other models, sequence parallelism, an
-MLP of one layer pair or of an odd number of layers under tensor
+Under Megatron sequence parallelism (GPTs) the blocks are measured with it:
+messages are ``1 / t`` of the sequence, and each LayerNorm gradient's in-place
+tensor-group sync runs before its update (after the data-parallel reductions,
+Megatron-LM's order): with gradient overlap or without data parallelism
+inside the update, costed on the tensor group's link; without overlap as an
+op of its own per stage (mode ``"sync_tp"``), since that update all-reduces
+over the data-parallel group.
+
+Rows the fast engine does not model (other models, sequence parallelism in
+an MLP, an MLP of one layer pair or of an odd number of layers under tensor
 parallelism, an MLP of one layer) fall back to the exact engine; the
 ``engine`` column says which one ran.
 """
@@ -80,7 +88,7 @@ registered_op_types()
 def fast_unsupported(config: Config) -> str:
     """Why the fast engine cannot simulate ``config`` (then the exact engine does), or ``""``.
 
-    Not modelled: models other than GPTs and MLPs, sequence parallelism, and
+    Not modelled: models other than GPTs and MLPs, sequence parallelism in an MLP, and
     under tensor parallelism an MLP of an odd number of layers or of a single
     (column, row) pair (and an MLP of one layer without it). Pipeline cuts
     inside a pair are modelled (per layer), with any schedule, data
@@ -91,10 +99,6 @@ def fast_unsupported(config: Config) -> str:
         return f"the fast engine models GPT and MLP training steps, not {type(model).__name__}"
     if config.sequence_parallel and not isinstance(model, TransformerConfig):
         return "the fast engine models sequence parallelism in GPTs only"
-    if config.sequence_parallel and config.data > 1 and not config.overlap_grad_comm:
-        # One coarse op per stage holds the reductions and the updates, on the
-        # data-parallel group's link; the LayerNorms' syncs use the tensor group's.
-        return "the fast engine models sequence parallelism with data parallelism only with gradient overlap"
     # Under tensor parallelism an MLP's blocks are (column, row) layer pairs;
     # a pipeline cut that splits one is modelled per layer (see _prepare).
     if isinstance(model, MLPConfig):

@@ -276,6 +276,7 @@ _COARSE_EVENTS = (
     ("reduce gradients", "data parallel"),
     ("update", "data parallel"),
     ("all-gather", "data parallel"),
+    ("sync LayerNorm gradients", "tensor parallel"),
 )
 
 

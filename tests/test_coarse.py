@@ -657,6 +657,27 @@ def test_template_size_without_building(p, k, v):
         assert template.num_streams == (2 if mode.startswith("overlap") else 1)
 
 
+def test_mode_sync_tp_syncs_each_stage_on_its_tensor_group_before_its_update():
+    """Sequence parallelism without gradient overlap: each stage's LayerNorm
+    gradients are all-reduced over its tensor group (an op costed on that
+    group's link) before its update all-reduces over the data-parallel group."""
+    from distir_jax.transforms.coarse_pipeline import KIND_NAMES, data_mode
+
+    assert data_mode(2, False, True, tensor_syncs=True) == "sync_tp"
+    assert data_mode(2, True, True, tensor_syncs=True) == "overlap_zero"
+    assert data_mode(1, False, False, tensor_syncs=True) == "none"
+    p = 3
+    template = pipeline_template(p, 6, 1, "1f1b", "sync_tp")
+    plain = pipeline_template(p, 6, 1, "1f1b", "sync")
+    names = [KIND_NAMES[k] for k in template.kind]
+    assert names[: plain.num_ops - p] == [KIND_NAMES[k] for k in plain.kind[: plain.num_ops - p]]
+    assert names[plain.num_ops - p :] == ["tensor_sync", "update"] * p
+    ends = slice(plain.num_ops - p, None)
+    assert template.stage[ends, 0].tolist() == np.repeat(np.arange(p), 2).tolist()
+    assert (template.stream[ends] == 0).all()
+    assert template.link_kind[ends].tolist() == [1, 3] * p
+
+
 def test_balanced_layers_minimize_what_the_pipeline_transform_minimizes():
     rng = np.random.default_rng(0)
     for _ in range(50):

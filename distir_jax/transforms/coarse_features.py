@@ -55,11 +55,16 @@ from distir_jax.transforms.data_parallel import (
     zero_shard,
 )
 
-__all__ = ["DIRECTIONS", "PARTS", "LayerFeatures", "layer_features", "layer_parts"]
+__all__ = ["DIRECTIONS", "PARTS", "SHARD_SCALED", "LayerFeatures", "layer_features", "layer_parts"]
 
 PARTS = ("embed", "block", "head")
 DIRECTIONS = ("F", "B")
 _FEATURE_INDEX = {name: i for i, name in enumerate(COST_FEATURES)}
+# Cost features of an update (or of a gradient's sync before it) that grow with
+# its rows, so a ZeRO shard divides them; launches and hops stay.
+SHARD_SCALED = [
+    _FEATURE_INDEX[name] for name in ("flops", "mem_bytes", "linear_flops", "linear_bytes", "comm_volume")
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -84,7 +89,8 @@ class LayerFeatures:
       data_bytes: ``[S]`` one microbatch's token ids (its labels are as large).
       param_bytes: ``[3]`` weight bytes of each part (gradients are as large).
       state_bytes: ``[3]`` optimizer state bytes of each part.
-      optimizer: ``[3, F]`` fused optimizer update of each part's weights.
+      optimizer: ``[3, F]`` fused optimizer update of each part's weights (with
+        their ``tensor_syncs``).
       accumulate: ``[3, F]`` adding one microbatch's weight gradients of a part
         to the running sums (an ``Add`` per weight, in later microbatches' backwards).
       grad_types: per part, the types of its weight gradients.
@@ -122,6 +128,10 @@ class LayerFeatures:
         crosses a pipeline boundary with (a column layer's Relu output is a
         ``1 / t`` feature shard), else None.
       sequence_parallel: measured under Megatron sequence parallelism.
+      tensor_syncs: per part, ``(rows, [F] linear cost)`` of each in-place
+        tensor-group all-reduce of a weight gradient before its update (under
+        sequence parallelism a LayerNorm's, partial over sequence parts), in
+        optimizer order; ``optimizer`` and ``segments``' per-weight updates include them.
     """
 
     model: TransformerConfig | MLPConfig
@@ -152,6 +162,7 @@ class LayerFeatures:
     per_layer: bool = False
     output_bytes: np.ndarray | None = None
     sequence_parallel: bool = False
+    tensor_syncs: tuple = ()
 
     @property
     def num_blocks(self) -> int:
@@ -231,6 +242,11 @@ class LayerFeatures:
           gradient and an ``AllGather`` of each updated weight shard.
         """
         return _data_parallel(self, int(degree), bool(zero))
+
+    def sync_parts(self, shard: int) -> np.ndarray:
+        """``[P, F]`` each part's tensor syncs (:attr:`tensor_syncs`) added up, on
+        ZeRO shards over ``shard`` replicas (1: whole gradients); cached, read only."""
+        return _sync_parts(self, int(shard))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -374,7 +390,7 @@ def _layer_features(
 
     def label(op):
         phase, part = op.attr("phase"), part_of(op.attr("layer"))
-        if phase == "opt":
+        if phase == "opt":  # updates, with any tensor group's gradient syncs (fused together)
             return ("opt", part)
         return (part, "B" if phase == "bwd" or op.attr("recompute", False) else "F")
 
@@ -417,16 +433,21 @@ def _layer_features(
     weights: list[list] = [[] for _ in range(num_parts)]
     producers = {v.name: op for op in fn.ops for v in op.outputs}
     # A tensor group's sync of a gradient (sequence parallelism's LayerNorms,
-    # in place) runs right before its update: the update's cost includes it.
+    # in place) runs right before its update: a per-weight update includes it.
     syncs = {
         op.outputs[0].name: linear[0, i]
         for i, (op, (kind, _)) in enumerate(zip(fn.ops, labels, strict=True))
         if kind == "opt" and op.op_type == "AllReduce"
     }
+    tensor_syncs: list[list] = [[] for _ in range(num_parts)]
     for i, (op, (kind, part)) in enumerate(zip(fn.ops, labels, strict=True)):
         if kind == "opt" and op.op_type in OPTIMIZER_GRADIENT:
             grad = op.inputs[OPTIMIZER_GRADIENT[op.op_type]]
-            cost = linear[0, i] + syncs.get(grad.name, 0.0)
+            cost = linear[0, i]
+            if grad.name in syncs:
+                rows = grad.type.shape[0] if grad.type.rank else 1
+                tensor_syncs[part].append((int(np.max(rows)), syncs[grad.name]))
+                cost = cost + syncs[grad.name]
             updates[part].append((gradient_to_reduce(producers, grad).name, cost))
             weights[part].append((op.inputs[0].name, op.inputs[0].type))
     segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(num_parts))
@@ -493,7 +514,21 @@ def _layer_features(
         per_layer=per_layer,
         output_bytes=output_bytes,
         sequence_parallel=sequence_parallel,
+        tensor_syncs=tuple(tuple(t) for t in tensor_syncs),
     )
+
+
+@functools.lru_cache(maxsize=1024)  # by identity
+def _sync_parts(features: LayerFeatures, shard: int) -> np.ndarray:
+    out = np.zeros((features.step.shape[0], len(COST_FEATURES)))
+    for q, syncs in enumerate(features.tensor_syncs):
+        for rows, cost in syncs:
+            cost = np.array(cost, np.float64)
+            if shard > 1:  # ZeRO: the sync all-reduces the reduced gradient's shard
+                cost[SHARD_SCALED] = zero_shard(cost[SHARD_SCALED], rows, shard)
+            out[q] += cost
+    out.setflags(write=False)
+    return out
 
 
 @functools.lru_cache(maxsize=1024)  # by identity

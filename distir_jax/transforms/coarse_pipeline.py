@@ -29,6 +29,10 @@ uses ``1 + flops``, which reproduces its order exactly):
   overlap), each chunk's last backward is instead cut after every weight
   gradient, each gradient reduced on stream 1 right after its segment, and
   with ZeRO the updates and all-gathers run weight by weight.
+* tensor syncs (sequence parallelism, mode ``"sync_tp"``: without overlap):
+  one op per stage before its update, the in-place all-reduces of its
+  LayerNorm gradients over its tensor group (in the other modes the update
+  holds them).
 
 Dependencies: a step's inputs arrive by messages that occupy its device's
 stream before it, so under the analytic cost model (an op busy until it
@@ -73,6 +77,7 @@ from distir_jax.transforms.coarse_schedule import (
 __all__ = [
     "DATA_MODES",
     "KIND_NAMES",
+    "SYNC_MODES",
     "PipelineTemplate",
     "data_mode",
     "pipeline_template",
@@ -80,18 +85,24 @@ __all__ = [
 ]
 
 # Op kinds of a coarse pipeline program.
-F, B, SEND_ACTIVATION, SEND_GRADIENT, REDUCE, UPDATE, GATHER = range(7)
-KIND_NAMES = ("F", "B", "send_activation", "send_gradient", "reduce", "update", "gather")
-# How gradients meet across data-parallel replicas (structure only).
-DATA_MODES = ("none", "sync", "overlap", "overlap_zero")
+F, B, SEND_ACTIVATION, SEND_GRADIENT, REDUCE, UPDATE, GATHER, TENSOR_SYNC = range(8)
+KIND_NAMES = ("F", "B", "send_activation", "send_gradient", "reduce", "update", "gather", "tensor_sync")
+# How gradients meet across data-parallel replicas (structure only). Mode
+# "sync_tp" is mode "sync" whose stages also sync LayerNorm gradients over
+# their tensor group (sequence parallelism): an op per stage before its update,
+# which all-reduces over the data-parallel group (the other modes' updates hold
+# these syncs themselves, on the tensor group's link: see coarse_program.realize).
+DATA_MODES = ("none", "sync", "overlap", "overlap_zero", "sync_tp")
+SYNC_MODES = ("sync", "sync_tp")
 
 
-def data_mode(data: int, overlap: bool, zero: bool) -> str:
-    """The structural data-parallel mode of a configuration."""
+def data_mode(data: int, overlap: bool, zero: bool, tensor_syncs: bool = False) -> str:
+    """The structural data-parallel mode of a configuration (``tensor_syncs``: its
+    updates sync LayerNorm gradients over the tensor group, sequence parallelism)."""
     if data == 1:
         return "none"
     if not overlap:
-        return "sync"
+        return "sync_tp" if tensor_syncs else "sync"
     return "overlap_zero" if zero else "overlap"
 
 
@@ -99,14 +110,15 @@ def template_size(pipeline: int, microbatches: int, virtual_stages: int, mode: s
     """``(num_ops, num_slots)`` of a template, without building it.
 
     Steps ``2 k v p``, messages ``2 k (n - 1)`` with ``n = p v`` chunks, then
-    per mode a reduction per chunk, an update per stage and a gather per stage.
+    per mode a reduction per chunk, an update per stage and a gather (mode
+    ``"sync_tp"``: a tensor sync) per stage.
     Finish slots: each chunk's last backward and each stage's last reduction
     (and its update, read by the gather) are read by a later op.
     """
     p, k, v = pipeline, microbatches, virtual_stages
     n = p * v
     overlap = mode.startswith("overlap")
-    gathers = p if mode == "overlap_zero" else 0
+    gathers = p if mode in ("overlap_zero", "sync_tp") else 0  # all-gathers, or tensor syncs
     num_ops = 2 * k * n + 2 * k * (n - 1) + (n if overlap else 0) + p + gathers
     num_slots = n + p + gathers if overlap else 1
     return num_ops, num_slots
@@ -184,26 +196,28 @@ class PipelineTemplate:
         kind, chunk, stage = self.kind, self.chunk, self.stage[:, 0]
         later = self.microbatch > 0
         # Each row is linear in the op's chunk, stage and "later microbatch" by
-        # kind (F, B, two sends, reduce, update, gather): one lookup per term.
+        # kind (F, B, two sends, reduce, update, gather, tensor sync): one lookup
+        # per term. A tensor sync (mode "sync_tp", which gathers nothing) takes its
+        # stage's gather row; it allocates nothing (in place).
         cost_row = _by_kind(
             kind,
             chunk,
             stage,
             later,
-            start=(0, n, 3 * n, 3 * n, 3 * n + 1, 4 * n + 1, 4 * n + p + 1),
-            per_chunk=(1, 1, 0, 0, 1, 0, 0),
-            per_stage=(0, 0, 0, 0, 0, 1, 1),
-            per_later=(0, n, 0, 0, 0, 0, 0),
+            start=(0, n, 3 * n, 3 * n, 3 * n + 1, 4 * n + 1, 4 * n + p + 1, 4 * n + p + 1),
+            per_chunk=(1, 1, 0, 0, 1, 0, 0, 0),
+            per_stage=(0, 0, 0, 0, 0, 1, 1, 1),
+            per_later=(0, n, 0, 0, 0, 0, 0, 0),
         )
         memory_row = _by_kind(
             kind,
             chunk,
             stage,
             later,
-            start=(0, n, 3 * n, 3 * n + p + 2, 3 * n + p + 1, 3 * n + 1, 3 * n + p + 1),
-            per_chunk=(1, 1, 0, 0, 0, 0, 0),
-            per_stage=(0, 0, 0, 0, 0, 1, 0),
-            per_later=(0, n, 0, 0, 0, 0, 0),
+            start=(0, n, 3 * n, 3 * n + p + 2, 3 * n + p + 1, 3 * n + 1, 3 * n + p + 1, 3 * n + p + 1),
+            per_chunk=(1, 1, 0, 0, 0, 0, 0, 0),
+            per_stage=(0, 0, 0, 0, 0, 1, 0, 0),
+            per_later=(0, n, 0, 0, 0, 0, 0, 0),
         )
         if self.segments is not None:  # segment rows follow (see ChunkTables), then per-weight ones
             offset = np.concatenate([[0], np.cumsum([len(c) for c in self.segments])])
@@ -231,9 +245,10 @@ class PipelineTemplate:
     def link_kind(self) -> np.ndarray:
         """``[N]`` which link an op is costed on: 0 none (its own device), 1 the
         tensor-parallel group's, 2 the two devices of a send, 3 the data-parallel group's."""
-        # By kind (F, B, two sends, reduce, update, gather); an update talks to the
-        # data-parallel group only in mode "sync" (it all-reduces there).
-        table = np.asarray([1, 1, 2, 2, 3, 3 if self.mode == "sync" else 0, 3], np.int8)
+        # By kind (F, B, two sends, reduce, update, gather, tensor sync); an update
+        # talks to the data-parallel group only in the sync modes (it all-reduces there).
+        update = 3 if self.mode in SYNC_MODES else 0
+        table = np.asarray([1, 1, 2, 2, 3, update, 3, 1], np.int8)
         return table[self.kind]
 
 
@@ -455,7 +470,13 @@ def _build_template(
     num_red = int(reduces.sum())
     last = core["rank"].max(initial=0) + 2
     num_events = len(core["rank"])
-    if updates is None:  # an update per stage (then its gather, with ZeRO)
+    if updates is None and mode == "sync_tp":  # per stage its tensor sync, then its update
+        end_kind = np.repeat([TENSOR_SYNC, UPDATE], p)
+        end_chunk = end_segment = end_producer = np.full(2 * p, -1)
+        end_stage = np.tile(np.arange(p), 2)
+        end_stream = np.zeros(2 * p, np.int64)
+        end_rank = np.concatenate([last + 2 * np.arange(p) + e for e in range(2)])
+    elif updates is None:  # an update per stage (then its gather, with ZeRO)
         ends = 2 if mode == "overlap_zero" else 1
         end_kind = np.repeat([UPDATE, GATHER][:ends], p)
         end_chunk = end_segment = np.full(ends * p, -1)

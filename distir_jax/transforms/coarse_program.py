@@ -30,7 +30,7 @@ from distir_jax.cost import COST_FEATURES
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.types import TensorType
 from distir_jax.lower import NO_DEVICE, NO_RESOURCE, Program
-from distir_jax.transforms.coarse_features import LayerFeatures, layer_parts
+from distir_jax.transforms.coarse_features import SHARD_SCALED, LayerFeatures, layer_parts
 from distir_jax.transforms.coarse_layers import (
     boundary_bytes,
     layer_chunk_segments,
@@ -42,6 +42,7 @@ from distir_jax.transforms.coarse_layers import (
 from distir_jax.transforms.coarse_pipeline import (
     SEND_ACTIVATION,
     SEND_GRADIENT,
+    SYNC_MODES,
     UPDATE,
     PipelineTemplate,
     data_mode,
@@ -73,13 +74,6 @@ __all__ = [
 
 _F = len(COST_FEATURES)
 _VOLUME, _HOPS = COST_FEATURES.index("comm_volume"), COST_FEATURES.index("comm_hops")
-# Features that scale with the size of a ZeRO shard (launches do not).
-# Features of an update that a ZeRO shard divides (a sequence-parallel update's
-# tensor-group sync moves the shard's bytes; hops and launches stay).
-_SCALED = [
-    COST_FEATURES.index(name)
-    for name in ("flops", "mem_bytes", "linear_flops", "linear_bytes", "comm_volume")
-]
 _EMBED, _BLOCK, _HEAD = range(3)
 _TENSOR_LINK = 1  # PipelineTemplate.link_kind of the tensor-parallel group's link
 
@@ -91,7 +85,8 @@ class ChunkTables:
     Attributes:
       cost: ``[S, 4n + 2p + 1, F]`` rows: forward of chunk ``c``, first
         backward of ``c``, later backwards of ``c`` (which add to the gradient
-        sums), a message, reduction of ``c``, update of stage ``s``, gather of ``s``.
+        sums), a message, reduction of ``c``, update of stage ``s``, gather of ``s``
+        (mode ``"sync_tp"``: its tensor sync).
       alloc, free: ``[S, 3n + p + 3, 2]`` bytes per resource slot, rows: forward
         of ``c``, first backward of ``c``, later backwards of ``c``, an
         activation message, update of ``s``, nothing, a gradient message.
@@ -102,9 +97,9 @@ class ChunkTables:
         cost rows ``b`` and memory rows ``b`` (activation) and ``n + b``
         (gradient) for the boundary after chunk ``b``; they follow all others.
       tensor_syncs: the updates sync LayerNorm gradients over the tensor group
-        (sequence parallelism): outside mode ``"sync"`` (whose update talks to
-        the data-parallel group) they are costed on that group's link, not on
-        their own device (see :func:`realize`).
+        (sequence parallelism): outside the sync modes (whose updates talk to
+        the data-parallel group and whose syncs are ops of their own) they are
+        costed on that group's link, not on their own device (see :func:`realize`).
     """
 
     cost: np.ndarray
@@ -497,24 +492,31 @@ def mode_rows(
     base = _pipeline_parts(features, layers, p)
     data = np.asarray([int(d) for d, _, _ in modes], np.int64)
     zero = np.asarray([bool(z) for _, z, _ in modes])
-    sync = np.asarray([mode == "sync" for _, _, mode in modes])
+    sync = np.asarray([mode in SYNC_MODES for _, _, mode in modes])
     shard = np.where(zero, data, 1)
     parts = [features.data_parallel(int(d), bool(z)) for d, z in zip(data, zero, strict=True)]
     reduce_parts = np.stack([r for r, _ in parts])  # [M, 3, F] (per layer: [M, P, F])
     gather_parts = np.stack([g for _, g in parts])
-    adam = np.repeat(features.optimizer[None], m, axis=0)
-    adam[:, :, _SCALED] /= shard[:, None, None]
+    # LayerNorm gradients' tensor-group syncs (sequence parallelism; zero
+    # without): in the sync modes an op of their own (mode "sync_tp", on the
+    # gather rows, which those modes' updates hold), else in the updates (on the
+    # tensor group's link). The measured update holds them: take them out.
+    syncs = np.stack([features.sync_parts(int(n)) for n in shard])  # [M, P, F]
+    updates = features.optimizer - features.sync_parts(1)
+    adam = np.repeat(updates[None], m, axis=0)
+    adam[:, :, SHARD_SCALED] /= shard[:, None, None]
     # Modes whose ZeRO shards pad some weight's rows: each part's update per its shard's rows.
     padded = [(i, features.zero_shards(int(data[i]))) for i in np.flatnonzero(zero & (data > 1))]
     padded = [(i, shards) for i, shards in padded if shards is not None]
     for i, (_, scale) in padded:
-        adam[i][:, _SCALED] = features.optimizer[:, _SCALED] * scale[:, None]
-    update_parts = adam + np.where(sync[:, None, None], reduce_parts + gather_parts, 0.0)
+        adam[i][:, SHARD_SCALED] = updates[:, SHARD_SCALED] * scale[:, None]
+    update_parts = adam + np.where(sync[:, None, None], reduce_parts + gather_parts, syncs)
+    last_parts = np.where(sync[:, None, None], syncs, gather_parts)
     other = np.concatenate(
         [
             np.matmul(base.coef, reduce_parts),  # each chunk's reduction
             np.matmul(base.stage_coef, update_parts),  # each stage's update
-            np.matmul(base.stage_coef, gather_parts),  # each stage's gather
+            np.matmul(base.stage_coef, last_parts),  # each stage's gather, or tensor sync
         ],
         axis=1,
     )
@@ -785,7 +787,7 @@ def _update_values(features: LayerFeatures, data: int) -> tuple:
     keys = _update_keys(features)
     s, u = features.num_variants, len(keys)
     scaled = np.zeros(_F, bool)
-    scaled[_SCALED] = True
+    scaled[SHARD_SCALED] = True
     w_cost, w_free = np.zeros((s, u, _F)), np.zeros(u)
     g_cost = np.zeros((u, _F))
     for (q, w), i in keys.items():
@@ -906,7 +908,7 @@ def realize(
     resource = np.where(used, slot_device * streams + stream, NO_RESOURCE).astype(np.int32)
     first = np.maximum(stage[:, 0], 0)
     link_kind = template.link_kind
-    if tables.tensor_syncs and template.mode != "sync":  # the updates talk to the tensor group
+    if tables.tensor_syncs and template.mode not in SYNC_MODES:  # the updates talk to the tensor group
         link_kind = np.where(template.kind == UPDATE, _TENSOR_LINK, link_kind)
     link = links_by_kind(link_kind, slot_device, tp_link[first], dp_link[first]).astype(np.int32)
     cost = tables.cost[:, cost_row]  # [S, N, F]
@@ -1159,7 +1161,7 @@ def _pipeline_program(
             f"layers_per_chunk must give each of the {n} chunks >= 1 of the model's "
             f"{features.num_blocks} blocks, got {list(layers)}"
         )
-    mode = data_mode(int(data), bool(overlap), bool(zero))
+    mode = data_mode(int(data), bool(overlap), bool(zero), features.sequence_parallel)
     segments = overlap_segments and mode.startswith("overlap")
     flags, updates = segment_plan(features, layers, mode == "overlap_zero") if segments else (None, None)
     structure = (p, int(microbatches), v, schedule, mode, step_costs, flags, updates)
