@@ -108,6 +108,32 @@ def test_long_pipelines_run_short_with_the_reference_simulators_results(steady_e
     assert (fast["simulated_ops"] * 2 < exact["simulated_ops"]).all()
 
 
+def test_long_sequence_parallel_pipelines_run_short_with_the_exact_engines_results(steady_everywhere):
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(8,),
+        global_batch_sizes=(64,),
+        microbatches=(16, 32),
+        tensor=(2,),
+        schedules=("1f1b",),
+        recompute=("none", "full"),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        sequence_parallel=(True,),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and c.pipeline > 1]
+    engine = FastEngine(configs)
+    steady = [c for c in configs if engine.prepare([c])[0][1].steady is not None]
+    assert {(c.data > 1, c.overlap_grad_comm) for c in steady} == {
+        (False, False),
+        (True, False),
+        (True, True),
+    }
+    sample = [steady[i] for i in np.random.default_rng(2).choice(len(steady), size=12, replace=False)]
+    _assert_same_as_exact(sample)
+
+
 def test_rows_whose_period_is_not_certified_run_their_long_programs(monkeypatch, steady_everywhere):
     evaluate_module = importlib.import_module("search.evaluate")
     space = StrategySpace(
