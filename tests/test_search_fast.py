@@ -454,6 +454,28 @@ def test_sequence_parallel_rows_match_the_exact_engine():
     assert (fast["status"] == "ok").all()
 
 
+def test_sequence_parallel_rows_of_a_vocabulary_the_tensor_degree_does_not_divide():
+    """The embedding's whole output is cut into sequence parts in the embedding
+    (the fuzz found it counted in every block when the first block did it)."""
+    import dataclasses
+
+    space = StrategySpace(
+        model=dataclasses.replace(TINY_GPT, vocab_size=50),
+        world_sizes=(4, 8),
+        global_batch_sizes=(16,),
+        microbatches=(2,),
+        tensor=(4,),
+        recompute=("none", "full"),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        sequence_parallel=(True,),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid and c.sequence_parallel]
+    assert {(c.pipeline, c.data) for c in configs} >= {(1, 1), (2, 1), (1, 2)}
+    _assert_same_as_exact(configs)
+
+
 def test_sequence_parallelism_halves_messages_and_keeps_the_layer_norm_syncs():
     """What the fast engine's sequence-parallel features say, against the fine block."""
     topology = get_preset("dgx-a100-80gb:2")

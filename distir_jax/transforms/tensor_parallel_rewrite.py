@@ -82,6 +82,7 @@ class Rewriter:
         self._parts: dict[str, tuple[Value, ...]] = {}
         self._converted: dict[tuple, tuple[Value, ...]] = {}
         self._statistics: dict[str, tuple[Value, ...]] = {}  # by logits: every part's, gathered
+        self._producers = {v.name: op for op in fn.ops for v in op.outputs}
 
     # ------------------------------------------------------------------ #
     # Walking the program.
@@ -274,7 +275,7 @@ class Rewriter:
             )
         if layout != REPLICATED:
             parts = self._convert(name, REPLICATED, consumer, False)
-        return self._local_split(parts, target.axis, f"{name}.split{target.axis}", consumer)
+        return self._local_split(parts, target.axis, f"{name}.split{target.axis}", consumer, name)
 
     def _vocab_statistics(self, op: Op, logits, labels) -> tuple[Value, ...]:
         """Every rank's ``[..., 3 t]`` statistics of the logits (:func:`CrossEntropyStats`
@@ -309,14 +310,22 @@ class Rewriter:
         names = [self._fresh(f"{base}.tp{rank}") for rank in self.ranks]
         return self._emit(op_type, parts, names, attrs)
 
-    def _local_split(self, parts, axis: int, base: str, consumer: Op) -> tuple[Value, ...]:
-        """Each rank cuts its own part out of a replicated value: no communication."""
+    def _local_split(self, parts, axis: int, base: str, consumer: Op, name: str) -> tuple[Value, ...]:
+        """Each rank cuts its own part out of replicated value ``name``: no communication.
+
+        The cut is local work of the value's producer, so it carries the
+        producer's layer (issued, as every conversion, right before the
+        consumer): under sequence parallelism a whole vocabulary's embedding
+        output is cut into sequence parts in the embedding, as Megatron-LM's
+        embedding scatters its output, not in the first block."""
+        placement = _placement(consumer)
+        producer = self._producers.get(name)
+        if producer is not None and producer.attr("layer") is not None:
+            placement["layer"] = producer.attr("layer")
         mine = []
         for k, rank in enumerate(self.ranks):
             names = [self._fresh(f"{base}_{j}.tp{rank}") for j in range(self.degree)]
-            pieces = self._emit(
-                "Split", [parts[k]], names, dict(axis=axis, parts=self.degree, **_placement(consumer))
-            )
+            pieces = self._emit("Split", [parts[k]], names, dict(axis=axis, parts=self.degree, **placement))
             mine.append(pieces[rank])
         return tuple(mine)
 
