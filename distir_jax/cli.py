@@ -937,12 +937,13 @@ def _report(table, args, written: list[str], how: str) -> None:
     limit = None if args.memory_limit is None else args.memory_limit * 1e9
     best = table.top_k(args.top_k, memory_limit=limit)
     under = "" if limit is None else f" under {args.memory_limit:g} GB per GPU"
+    columns = table.display_columns()  # every knob the sweep varies, even where the rows shown agree
     if len(best):
         print(f"\ntop {len(best)} by throughput{under}:")
-        print(best.format())
+        print(best.format(columns))
         front = table.pareto_front()
         print(f"\nthroughput vs peak memory Pareto front ({len(front)} configurations):")
-        print(front.format())
+        print(front.format(columns))
         command = simulate_command(best.row(0), preset_files=args.preset_files)
         if command:
             what = "each device's peak, what bounds it, a trace of its pipeline"
@@ -1010,7 +1011,7 @@ def _print_why_none_fits(table, limit: float | None, under: str) -> None:
     closest = table.closest_to_fitting(5, memory_limit=limit)
     if len(closest):
         print(f"\nno configuration fits{under}; the {len(closest)} of least peak memory per GPU:")
-        print(closest.format())
+        print(closest.format(table.display_columns()))
         print(
             "smaller microbatches (--microbatch-sizes, or more --microbatches), --recompute full, "
             "--zero yes and more pipeline or tensor parallelism lower the peak; every row's reason "

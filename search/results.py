@@ -373,6 +373,19 @@ class ResultTable:
                         ) from None
         return values
 
+    def display_columns(self) -> list[str]:
+        """:meth:`format`'s default columns: :data:`DISPLAY_COLUMNS`, and each knob of
+        :data:`VARYING_COLUMNS` that takes more than one value in this table. Pass
+        a whole sweep's to its top rows' :meth:`format`, so that a knob the sweep
+        varies shows even where those rows agree on it (all sequence parallel, say)."""
+        varying = {c for c in VARYING_COLUMNS if len(set(self._columns[c].tolist())) > 1}
+        columns = [c for c in VARYING_COLUMNS if c in varying and c != "sequence_parallel"]
+        for c in DISPLAY_COLUMNS:
+            columns.append(c)
+            if c == "zero" and "sequence_parallel" in varying:  # with the other switches
+                columns.append("sequence_parallel")
+        return columns
+
     def format(self, columns: Sequence[str] | None = None, limit: int | None = None) -> str:
         """A plain-text table of some columns (for terminals). By default
         :data:`DISPLAY_COLUMNS`, and each knob of :data:`VARYING_COLUMNS` that takes
@@ -397,12 +410,7 @@ class ResultTable:
         ):
             raise ValueError(f"limit must be None or an int >= 0 (0: the header only), got {limit!r}")
         if columns is None:
-            varying = {c for c in VARYING_COLUMNS if len(set(self._columns[c].tolist())) > 1}
-            columns = [c for c in VARYING_COLUMNS if c in varying and c != "sequence_parallel"]
-            for c in DISPLAY_COLUMNS:
-                columns.append(c)
-                if c == "zero" and "sequence_parallel" in varying:  # with the other switches
-                    columns.append("sequence_parallel")
+            columns = self.display_columns()
         shown = len(self) if limit is None else min(len(self), int(limit))
         rows = [[_show(self._columns[c][i], c) for c in columns] for i in range(shown)]
         header = [DISPLAY_NAMES.get(c, c) for c in columns]

@@ -219,6 +219,12 @@ def test_format_adds_the_knobs_that_vary_in_the_table():
     assert header[:2] == ["dtype", "d"] and "optimizer" not in header
     assert header[header.index("zero") + 1 : header.index("zero") + 4] == ["seq", "par", "overlap"]
     assert ResultTable(columns).format(columns=["data"]).splitlines()[0].split() == ["d"]
+    # A sweep's top rows that agree on a knob the sweep varies still show it (as the CLI prints them).
+    table = ResultTable(columns)
+    agreeing = table.take(np.flatnonzero(columns["sequence_parallel"]))
+    assert "seq" not in agreeing.format().splitlines()[0].split()
+    header = agreeing.format(table.display_columns()).splitlines()[0].split()
+    assert header == text.splitlines()[0].split()
 
 
 def test_read_names_the_line_and_column_of_a_damaged_file(tmp_path):
