@@ -224,20 +224,11 @@ HYBRIDS = {
             overlap_grad_comm=True,
         ),
     ),
-    "all_sp": (
-        ["tensor_parallel", "pipeline", "recompute"],
-        ParallelConfig(
-            data=2,
-            tensor=2,
-            pipeline=2,
-            microbatches=2,
-            recompute="full",
-            zero=True,
-            sequence_parallel=True,
-            overlap_grad_comm=True,
-        ),
-    ),
 }
+HYBRIDS["all_sp"] = (
+    HYBRIDS["all"][0],
+    dataclasses.replace(HYBRIDS["all"][1], recompute="full", sequence_parallel=True),
+)
 
 
 @pytest.mark.parametrize(

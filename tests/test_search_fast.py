@@ -300,6 +300,11 @@ def test_a_summary_the_fast_engine_cannot_give_is_the_exact_engines():
         summarize_config(make_config(TINY_GPT, world_size=4, data=4, batch_size=2))
 
 
+_SEQUENCE_PARALLEL = dict(
+    model=TINY_GPT, world_size=8, tensor=2, data=2, pipeline=2, microbatches=4, sequence_parallel=True
+)
+
+
 def _step_spans(events) -> dict:
     """``(device, direction, microbatch, chunk) -> (first start, last end)`` in seconds."""
     spans: dict = {}
@@ -326,26 +331,8 @@ def _step_spans(events) -> dict:
         dict(
             model=TINY_GPT, world_size=2, pipeline=2, microbatches=4, schedule="interleaved", virtual_stages=2
         ),
-        dict(
-            model=TINY_GPT,
-            world_size=8,
-            tensor=2,
-            data=2,
-            pipeline=2,
-            microbatches=4,
-            sequence_parallel=True,
-            overlap_grad_comm=True,
-        ),
-        dict(
-            model=TINY_GPT,
-            world_size=8,
-            tensor=2,
-            data=2,
-            pipeline=2,
-            microbatches=4,
-            sequence_parallel=True,
-            zero=True,
-        ),
+        _SEQUENCE_PARALLEL | dict(overlap_grad_comm=True),
+        _SEQUENCE_PARALLEL | dict(zero=True),  # no overlap: mode "sync_tp"
     ],
     ids=[
         "mlp",
@@ -429,6 +416,20 @@ def test_rows_the_fast_engine_does_not_model_run_exact():
     assert {("fast", True), ("exact", True), ("fast", False)} <= engines
 
 
+def _sequence_parallel_rows(model, **knobs) -> list:
+    """The valid sequence-parallel rows of a space with every data-parallel mode (``knobs``: the rest)."""
+    common = dict(
+        global_batch_sizes=(16,),
+        recompute=("none", "full"),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        sequence_parallel=(True,),
+        optimizer="adam",
+    )
+    space = StrategySpace(model=model, **(common | knobs))
+    return [c for c in enumerate_configs(space) if c.valid and c.sequence_parallel]
+
+
 def test_sequence_parallel_rows_match_the_exact_engine():
     """Megatron sequence parallelism in the fast engine: blocks measured under it,
     messages of ``1 / t`` of the sequence, and each LayerNorm gradient's in-place
@@ -436,19 +437,9 @@ def test_sequence_parallel_rows_match_the_exact_engine():
     in its update, or without gradient overlap an op per stage before the update
     (mode "sync_tp"), for every schedule, recompute policy and data-parallel
     mode; step time, peak memory and breakdown equal the exact engine's."""
-    space = StrategySpace(
-        model=TINY_GPT,
-        world_sizes=(2, 4, 8),
-        global_batch_sizes=(16,),
-        microbatches=(2, 4),
-        schedules=("gpipe", "1f1b", "interleaved"),
-        recompute=("none", "full"),
-        zero=(False, True),
-        overlap_grad_comm=(False, True),
-        sequence_parallel=(True,),
-        optimizer="adam",
+    configs = _sequence_parallel_rows(
+        TINY_GPT, world_sizes=(2, 4, 8), microbatches=(2, 4), schedules=("gpipe", "1f1b", "interleaved")
     )
-    configs = [c for c in enumerate_configs(space) if c.valid and c.sequence_parallel]
     assert len(configs) >= 100 and {c.data for c in configs} == {1, 2, 4}
     fast = _assert_same_as_exact(configs)
     assert (fast["status"] == "ok").all()
@@ -459,19 +450,8 @@ def test_sequence_parallel_rows_of_a_vocabulary_the_tensor_degree_does_not_divid
     (the fuzz found it counted in every block when the first block did it)."""
     import dataclasses
 
-    space = StrategySpace(
-        model=dataclasses.replace(TINY_GPT, vocab_size=50),
-        world_sizes=(4, 8),
-        global_batch_sizes=(16,),
-        microbatches=(2,),
-        tensor=(4,),
-        recompute=("none", "full"),
-        zero=(False, True),
-        overlap_grad_comm=(False, True),
-        sequence_parallel=(True,),
-        optimizer="adam",
-    )
-    configs = [c for c in enumerate_configs(space) if c.valid and c.sequence_parallel]
+    model = dataclasses.replace(TINY_GPT, vocab_size=50)
+    configs = _sequence_parallel_rows(model, world_sizes=(4, 8), microbatches=(2,), tensor=(4,))
     assert {(c.pipeline, c.data) for c in configs} >= {(1, 1), (2, 1), (1, 2)}
     _assert_same_as_exact(configs)
 
