@@ -445,8 +445,7 @@ def _layer_features(
             grad = op.inputs[OPTIMIZER_GRADIENT[op.op_type]]
             cost = linear[0, i]
             if grad.name in syncs:
-                rows = grad.type.shape[0] if grad.type.rank else 1
-                tensor_syncs[part].append((int(np.max(rows)), syncs[grad.name]))
+                tensor_syncs[part].append((_rows(grad.type), syncs[grad.name]))
                 cost = cost + syncs[grad.name]
             updates[part].append((gradient_to_reduce(producers, grad).name, cost))
             weights[part].append((op.inputs[0].name, op.inputs[0].type))
@@ -470,8 +469,7 @@ def _layer_features(
         params[part] += nbytes
         state[part] += state_bytes
         grads[part].append(op.inputs[1].type)
-        rows = op.inputs[0].type.shape[0] if op.inputs[0].type.rank else 1
-        weight_bytes[part].append((int(np.max(rows)), nbytes, state_bytes))
+        weight_bytes[part].append((_rows(op.inputs[0].type), nbytes, state_bytes))
     for part in range(num_parts):
         if ("opt", part) in index:  # parts without weights (an MLP's loss) have no update
             optimizer_features[part] = feats[0, index[("opt", part)]]
@@ -516,6 +514,11 @@ def _layer_features(
         sequence_parallel=sequence_parallel,
         tensor_syncs=tuple(tuple(t) for t in tensor_syncs),
     )
+
+
+def _rows(value_type) -> int:
+    """The rows a ZeRO shard splits (axis 0; a scalar is one row; size variants: the largest)."""
+    return int(np.max(value_type.shape[0])) if value_type.rank else 1
 
 
 @functools.lru_cache(maxsize=1024)  # by identity

@@ -470,20 +470,13 @@ def _build_template(
     num_red = int(reduces.sum())
     last = core["rank"].max(initial=0) + 2
     num_events = len(core["rank"])
-    if updates is None and mode == "sync_tp":  # per stage its tensor sync, then its update
-        end_kind = np.repeat([TENSOR_SYNC, UPDATE], p)
-        end_chunk = end_segment = end_producer = np.full(2 * p, -1)
-        end_stage = np.tile(np.arange(p), 2)
-        end_stream = np.zeros(2 * p, np.int64)
-        end_rank = np.concatenate([last + 2 * np.arange(p) + e for e in range(2)])
-    elif updates is None:  # an update per stage (then its gather, with ZeRO)
-        ends = 2 if mode == "overlap_zero" else 1
-        end_kind = np.repeat([UPDATE, GATHER][:ends], p)
-        end_chunk = end_segment = np.full(ends * p, -1)
-        end_stage = np.tile(np.arange(p), ends)
-        end_stream = np.repeat(np.arange(ends), p)
-        end_rank = np.concatenate([last + 2 * np.arange(p) + e for e in range(ends)])
-        end_producer = np.full(ends * p, -1)
+    if updates is None:  # per stage its update (then its gather, with ZeRO; after its tensor sync, "sync_tp")
+        ends = {"overlap_zero": (UPDATE, GATHER), "sync_tp": (TENSOR_SYNC, UPDATE)}.get(mode, (UPDATE,))
+        end_kind = np.repeat(ends, p)
+        end_chunk = end_segment = end_producer = np.full(len(ends) * p, -1)
+        end_stage = np.tile(np.arange(p), len(ends))
+        end_stream = np.repeat([int(k == GATHER) for k in ends], p)  # gathers on stream 1
+        end_rank = np.concatenate([last + 2 * np.arange(p) + e for e in range(len(ends))])
     else:  # per weight: its update (waits for its reduction), then its gather
         # The reduction event of each (chunk, segment), to wait for.
         red_index = {

@@ -289,7 +289,7 @@ class _Replicator:
     # Analysis of the input program.
 
     def _find_gradients(self) -> None:
-        self.producers = {v.name: op for op in self.fn.ops for v in op.outputs}
+        producers = {v.name: op for op in self.fn.ops for v in op.outputs}
         for index, op in enumerate(self.fn.ops):
             if op.attr("phase") != "opt" or op.attr("weight") is None:
                 continue
@@ -298,7 +298,7 @@ class _Replicator:
                     f"data_parallel: op #{index} {op.op_type} updates weight {op.attr('weight')!r}, but only "
                     f"{sorted(OPTIMIZER_GRADIENT)} are known optimizer ops"
                 )
-            v = gradient_to_reduce(self.producers, op.inputs[OPTIMIZER_GRADIENT[op.op_type]])
+            v = gradient_to_reduce(producers, op.inputs[OPTIMIZER_GRADIENT[op.op_type]])
             grad = _Grad(v.name, v.type.device, int(op.attr("layer", 0)), v.type)
             self.grads[v.name] = grad
             self.updates[index] = grad
