@@ -396,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="fast",
         choices=("fast", "exact"),
         help="fast: coarse programs generated as arrays, the same numbers (tested against the "
-        "reference simulator) in milliseconds per strategy; rows it does not model (sequence "
-        "parallelism) run exact. exact: build every program with the real "
+        "reference simulator) in milliseconds per strategy; rows it does not model (an MLP's "
+        "sequence parallelism, a model of another kind) run exact. exact: build every program with the real "
         "transforms (default: fast)",
     )
     _add_precision_option(s)

@@ -22,7 +22,9 @@ Conventions, chosen so that no two rows describe the same run:
   microbatch gets the first non-interleaved schedule listed (else
   ``"1f1b"``). ``virtual_stages`` only applies to ``"interleaved"``; other
   schedules get 1. ``zero`` and ``overlap_grad_comm`` need ``data > 1`` and
-  ``sequence_parallel`` needs ``tensor > 1``; otherwise they are False.
+  ``sequence_parallel`` needs ``tensor > 1``; otherwise they are False. An
+  MLP has no attention, so its ``"attention"`` recomputation (Megatron's
+  selective one) recomputes nothing: it is ``"none"``.
   ``training_precision`` applies to bf16 / f16 models; f32 / f64 models train in
   ``"full"`` precision whatever it lists.
 """
@@ -461,6 +463,7 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
                 else:  # the row names what it asked for: the model's own where it asked for none
                     resolved_dtype, resolved_precision = _requested(model, dtype, precision)
                 seq = model_config.seq_len if isinstance(model_config, TransformerConfig) else 0
+                mlp = isinstance(model_config or _unresolved(model), MLPConfig)
                 for schedule, v, recompute, zero, sp, overlap, optimizer in itertools.product(
                     space.schedules,
                     space.virtual_stages,
@@ -478,6 +481,8 @@ def enumerate_configs(space: StrategySpace) -> Iterator[Config]:
                         zero = overlap = False
                     if t == 1:
                         sp = False
+                    if mlp and recompute == "attention":  # nothing to recompute selectively
+                        recompute = "none"
                     # The knobs in Config.KNOBS order: the conventions above make many
                     # combinations equal, and a tuple is checked long before a Config is built.
                     knobs = (
@@ -503,9 +508,14 @@ def _asked_precision(config, dtype: str | None, precision: str | None) -> str | 
     return precision or config.training_precision or precisions_for(dtype)[0]
 
 
+def _unresolved(model: ModelSpec) -> MLPConfig | TransformerConfig:
+    """``model``'s config as given (a preset's own dtype and sequence length)."""
+    return get_model_config(model) if isinstance(model, str) else model
+
+
 def _requested(model: ModelSpec, dtype: str | None, precision: str | None) -> tuple[str, str]:
     """``(dtype, training precision)`` of a row whose model does not resolve."""
-    config = get_model_config(model) if isinstance(model, str) else model
+    config = _unresolved(model)
     return str(dtype or config.dtype), str(_asked_precision(config, dtype, precision) or "full")
 
 

@@ -8,6 +8,7 @@ import pytest
 import search
 from distir_jax.models import TransformerConfig
 from search import Config, StrategySpace, enumerate_configs, factorisations
+from search.space import model_label
 
 TINY_GPT = TransformerConfig(num_layers=2, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
 
@@ -256,6 +257,22 @@ def test_options_that_need_a_degree_collapse_without_it():
     rows = collections.Counter((c.data, c.tensor, c.pipeline) for c in enumerate_configs(space))
     # d = 2: zero x overlap; t = 2: sequence parallel or not; the pipeline: neither.
     assert rows == {(2, 1, 1): 4, (1, 2, 1): 2, (1, 1, 2): 1}
+
+
+def test_an_mlps_attention_recomputation_is_none():
+    # Megatron's selective recomputation recomputes attention, which an MLP has not: the
+    # rows would repeat "none"'s; a transformer keeps all three policies.
+    policies = ("none", "attention", "full")
+    space = StrategySpace(model=("mlp-xs", TINY_GPT), world_sizes=(2,), recompute=policies, microbatches=(2,))
+    rows = collections.Counter((c.model, c.recompute) for c in enumerate_configs(space))
+    mlp, gpt = "mlp-xs", model_label(TINY_GPT)
+    assert rows == {(mlp, "none"): 3, (mlp, "full"): 3, (gpt, "none"): 3, (gpt, "attention"): 3, (gpt, "full"): 3}
+    # Asked for alone, it is one row per strategy, which says what ran.
+    alone = list(enumerate_configs(dataclasses.replace(space, model="mlp-xs", recompute="attention")))
+    assert [c.recompute for c in alone] == ["none"] * 3
+    # So does a row whose model does not resolve (its reason is the dtype).
+    bad = list(enumerate_configs(dataclasses.replace(space, model="mlp-xs", recompute="attention", dtype="f99")))
+    assert [c.recompute for c in bad] == ["none"] * 3 and all("dtype" in c.reason for c in bad)
 
 
 def test_one_config_from_knobs_says_when_its_degrees_do_not_make_the_world_size():
