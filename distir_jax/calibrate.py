@@ -52,6 +52,7 @@ from distir_jax.presets import register_calibrated_preset
 __all__ = [
     "CALIBRATABLE_FIELDS",
     "FACTOR_BOUNDS",
+    "NETWORK_FIELDS",
     "Calibration",
     "calibrate",
     "calibration_probes",
@@ -61,8 +62,25 @@ __all__ = [
     "step_times_on",
 ]
 
-# Topology fields that set op durations (memory capacity sets none).
-CALIBRATABLE_FIELDS = ("peak_flops", "memory_bandwidth", "link_bandwidth", "link_latency", "launch_overhead")
+# Topology fields that set op durations (memory capacity sets none), then the
+# links between nodes on their own (NETWORK_FIELDS).
+CALIBRATABLE_FIELDS = (
+    "peak_flops",
+    "memory_bandwidth",
+    "link_bandwidth",
+    "link_latency",
+    "launch_overhead",
+    "network_bandwidth",
+    "network_latency",
+)
+# The links between nodes (InfiniBand, Ethernet), by the link table they are
+# entries of. A cluster's two fabrics reach different shares of their datasheet
+# figures, so such a factor, where given, scales the links between nodes and
+# its link field's factor only the links within a node (NVLink, NVSwitch,
+# PCIe); where not, the link field's factor scales every link. Fitted only when
+# asked for: telling the fabrics apart needs measurements whose traffic splits
+# between them differently.
+NETWORK_FIELDS = {"network_bandwidth": "link_bandwidth", "network_latency": "link_latency"}
 
 # |d log(step time) / d theta| below this for every program: the field is not constrained.
 _UNCONSTRAINED = 1e-9
@@ -148,7 +166,10 @@ def calibrate(
       measured: ``[B]`` measured step times in seconds, one per program (and variant).
       topology: the cluster the measurements come from, with its nominal numbers.
       fields: which of :data:`CALIBRATABLE_FIELDS` to fit (default: every one
-        that is not zero everywhere in ``topology``; a zero field cannot be scaled).
+        but :data:`NETWORK_FIELDS` that is not zero everywhere in ``topology``;
+        a zero field cannot be scaled). With ``network_bandwidth`` (or
+        ``network_latency``) the links between nodes get a factor of their own
+        and ``link_bandwidth`` (``link_latency``) scales those within a node.
       optimizer: None for Levenberg-Marquardt (damped Gauss-Newton on the
         log ratios, with the kernel's Jacobian), or any optax transformation
         (``optax.adam(0.05)``, ``optax.lbfgs()``, ...) run on the loss's gradient.
@@ -168,7 +189,7 @@ def calibrate(
     Raises:
       ValueError: for no programs, a measurement count that does not match
         them, a step time that is not a positive finite number, an unknown or
-        zero field, a program on more devices than ``topology`` has, a
+        zero field (a network field of a topology of one node), a program on more devices than ``topology`` has, a
         program that takes no time, ``steps < 1``, or an initial factor of a
         field not fitted or outside :data:`FACTOR_BOUNDS`.
     """
@@ -208,16 +229,19 @@ def fit_factors(
     program = stack_programs(programs)
     measured = _checked_measured(measured, program.flops.shape[0])
     base = _hardware_of(program, topology)
+    between = between_nodes(topology, base.num_devices)
     with jax.enable_x64(True):
         target = jnp.log(jnp.asarray(measured))
 
         def residual(theta):  # [B] log(simulated / measured)
-            return _residual(theta, program, base, target, fields, temperature)
+            return _residual(theta, program, base, between, target, fields, temperature)
 
         # One compiled function of residuals and their Jacobian serves every step, the
         # checks below and later fits of programs of the same shapes (each compile of
         # the kernel costs seconds on a CPU).
-        fixed = functools.partial(_linearized, program=program, base=base, target=target, fields=fields)
+        fixed = functools.partial(
+            _linearized, program=program, base=base, between=between, target=target, fields=fields
+        )
         linearized = functools.partial(fixed, temperature=temperature)
 
         def step_times(theta, known=None) -> tuple[np.ndarray, np.ndarray]:
@@ -225,7 +249,7 @@ def fit_factors(
             (``known``: ``linearized(theta)``, when a fit already has it)."""
             r, jac = (np.asarray(x) for x in (known or linearized(theta)))
             if temperature is not None:  # the smoothed times are not the exact ones
-                return _exact_times(program, base, fields, theta), jac
+                return _exact_times(program, _scaled(base, between, fields, theta)), jac
             return measured * np.exp(r), jac
 
         initial, nominal_sensitivity = step_times(np.zeros(len(fields)))
@@ -279,16 +303,17 @@ def checked_programs(programs, caller: str) -> None:
         _check_program(program, f"{caller}: program {i}")
 
 
-def _residual(theta, program: Program, base: Hardware, target, fields: tuple, temperature):
-    """``[B]`` log(simulated / measured) step times at log factors ``theta``."""
-    step_time = simulate(program, _scaled(base, fields, theta), temperature=temperature).step_time
-    return jnp.log(step_time) - target
+def _residual(theta, program: Program, base: Hardware, between, target, fields: tuple, temperature):
+    """``[B]`` log(simulated / measured) step times at log factors ``theta``
+    (``between``: ``[D, D]`` which links join two nodes)."""
+    hardware = _scaled(base, between, fields, theta)
+    return jnp.log(simulate(program, hardware, temperature=temperature).step_time) - target
 
 
 @functools.partial(jax.jit, static_argnames=("fields", "temperature"))
-def _linearized(theta, *, program, base, target, fields, temperature):
-    """:func:`_residual` and its ``[B, F]`` Jacobian (forward mode: F <= 5 tangents)."""
-    args = (program, base, target, fields, temperature)
+def _linearized(theta, *, program, base, between, target, fields, temperature):
+    """:func:`_residual` and its ``[B, F]`` Jacobian (forward mode: a tangent per field)."""
+    args = (program, base, between, target, fields, temperature)
     return _residual(theta, *args), jax.jacfwd(_residual)(theta, *args)
 
 
@@ -389,17 +414,30 @@ def _descend(residual, theta: np.ndarray, optimizer, steps: int) -> tuple[np.nda
     return np.asarray(theta), np.asarray(losses)
 
 
-def calibration_probes() -> dict[str, Function]:
+def calibration_probes(network_peer: int | None = None) -> dict[str, Function]:
     """Small programs that each lean on one hardware figure: time the same work on
     a cluster (f32, devices 0 and 1), then :func:`calibrate` with their lowered forms.
+
+    Args:
+      network_peer: a device on another node than device 0 (8 on DGX nodes),
+        for two more probes that send to it, or None.
 
     Returns:
       By name: ``matmul`` ([4096, 4096] @ [4096, 4096]: peak FLOP/s),
       ``elementwise`` (Relu of [8192, 8192]: memory bandwidth), ``large_send``
       ([4096, 4096] from device 0 to 1: link bandwidth), ``tiny_send`` (4 floats:
       link latency), ``launches`` (20 Relus of 8 floats in a row: kernel launch
-      overhead) and ``mixed`` (MatMul, Relu, Send, MatMul over both devices).
+      overhead) and ``mixed`` (MatMul, Relu, Send, MatMul over both devices);
+      with ``network_peer``, ``large_network_send`` and ``tiny_network_send``
+      (the sends to it: ``network_bandwidth`` and ``network_latency``).
+
+    Raises:
+      ValueError: for a ``network_peer`` that is not an int >= 1.
     """
+    if network_peer is not None and (
+        isinstance(network_peer, bool) or not isinstance(network_peer, (int, np.integer)) or network_peer < 1
+    ):
+        raise ValueError(f"network_peer must be None or a device index >= 1, got {network_peer!r}")
 
     def build(name: str, body) -> Function:
         b = FunctionBuilder(name)
@@ -423,21 +461,45 @@ def calibration_probes() -> dict[str, Function]:
         "launches": launches,
         "mixed": mixed,
     }
+    if network_peer is not None:
+        peer = int(network_peer)
+        bodies["large_network_send"] = lambda b: b.add("Send", b.input("x", (4096, 4096)), to=peer)
+        bodies["tiny_network_send"] = lambda b: b.add("Send", b.input("x", (4,)), to=peer)
     return {name: build(name, body) for name, body in bodies.items()}
 
 
 def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
-    nonzero = tuple(f for f in CALIBRATABLE_FIELDS if np.any(np.asarray(getattr(topology, f)) != 0))
+    values = field_values(topology)
+    nonzero = tuple(f for f in CALIBRATABLE_FIELDS if np.any(values[f] != 0))
     if fields is None:
-        return nonzero
+        return tuple(f for f in nonzero if f not in NETWORK_FIELDS)
     fields = named_fields(fields)
     zero = [f for f in fields if f not in nonzero]
     if zero:
+        nodes = len(np.unique(topology.node_of_device))
         raise ValueError(
-            f"fields {zero} are 0 everywhere in topology {topology.name!r}: no factor moves them; "
-            "leave them out"
+            f"fields {zero} are 0 everywhere in topology {topology.name!r}"
+            + (" (one node: no links between nodes)" if nodes == 1 else "")
+            + ": no factor moves them; leave them out"
         )
     return fields
+
+
+def field_values(topology: Topology) -> dict[str, np.ndarray]:
+    """Each of :data:`CALIBRATABLE_FIELDS`' figures in ``topology``; a network
+    field's are its link table's entries between nodes (none on one node)."""
+    values = {f: np.asarray(getattr(topology, f)) for f in CALIBRATABLE_FIELDS if f not in NETWORK_FIELDS}
+    between = between_nodes(topology)
+    for network, link in NETWORK_FIELDS.items():
+        values[network] = values[link][between]
+    return values
+
+
+def between_nodes(topology: Topology, count: int | None = None) -> np.ndarray:
+    """``[D, D]`` whether each link of ``topology``'s first ``count`` devices (default:
+    all) joins two nodes: the entries :data:`NETWORK_FIELDS` scale."""
+    nodes = np.asarray(topology.node_of_device)[: topology.num_devices if count is None else count]
+    return nodes[:, None] != nodes[None, :]
 
 
 def named_fields(fields) -> tuple[str, ...]:
@@ -510,7 +572,7 @@ def step_times_on(programs: Sequence[Program], topology: Topology) -> np.ndarray
     program = stack_programs(programs)
     hardware = _hardware_of(program, topology)
     with jax.enable_x64(True):
-        return np.asarray(simulate(program, hardware).step_time, np.float64)
+        return _exact_times(program, hardware)
 
 
 def _hardware_of(program: Program, topology: Topology) -> Hardware:
@@ -545,14 +607,28 @@ def _first_devices(topology: Topology, count: int) -> Hardware:
     return hardware.replace(**changes)
 
 
-def _scaled(base: Hardware, fields: tuple[str, ...], theta) -> Hardware:
-    """``base`` with field ``fields[i]`` times ``exp(theta[i])``."""
-    return base.replace(**{f: getattr(base, f) * jnp.exp(theta[i]) for i, f in enumerate(fields)})
+def _scaled(base: Hardware, between, fields: tuple[str, ...], theta) -> Hardware:
+    """``base`` with field ``fields[i]`` scaled by ``exp(theta[i])`` (see :func:`scale_figures`)."""
+    factors = {f: jnp.exp(theta[i]) for i, f in enumerate(fields)}
+    return base.replace(**scale_figures(lambda f: getattr(base, f), factors, between, jnp))
 
 
-def _exact_times(program: Program, base: Hardware, fields, theta) -> np.ndarray:
-    """``[B]`` step times at ``theta``, exact semantics, on the host."""
-    return np.asarray(simulate(program, _scaled(base, fields, theta)).step_time, np.float64)
+def scale_figures(figure, factors: Mapping, between, xp=np) -> dict:
+    """The figures ``factors`` scale, scaled: ``{field: figure(field) * factor}``, where
+    a network field's factor scales its link table's entries ``between`` nodes
+    (``[D, D]`` bools) and the link field's, if given, the others (see
+    :data:`NETWORK_FIELDS`). Written once for NumPy and ``jax.numpy`` (``xp``)."""
+    scaled = {f: figure(f) * factor for f, factor in factors.items() if f not in NETWORK_FIELDS}
+    for network, link in NETWORK_FIELDS.items():
+        if network in factors:
+            within = factors.get(link, 1.0)
+            scaled[link] = figure(link) * xp.where(between, factors[network], within)
+    return scaled
+
+
+def _exact_times(program: Program, hardware: Hardware) -> np.ndarray:
+    """``[B]`` step times on ``hardware``, exact semantics, on the host."""
+    return np.asarray(simulate(program, hardware).step_time, np.float64)
 
 
 def check_scales(scales: Mapping[str, float]) -> None:
@@ -570,14 +646,17 @@ def check_scales(scales: Mapping[str, float]) -> None:
 
 def scaled_topology(topology: Topology, scales: Mapping[str, float]) -> Topology:
     """``topology`` with each field in ``scales`` multiplied by its factor (a new
-    object, named ``"<name> (calibrated)"``).
+    object, named ``"<name> (calibrated)"``); a network field's factor scales the
+    links between nodes, and its link field's then only those within a node
+    (see :data:`NETWORK_FIELDS`).
 
     Raises:
       ValueError: for a field not in :data:`CALIBRATABLE_FIELDS` or a factor
         that is not a positive finite number.
     """
     check_scales(scales)
-    changes = {f: np.asarray(getattr(topology, f)) * s for f, s in scales.items()}
+    figure = lambda f: np.asarray(getattr(topology, f))  # noqa: E731
+    changes = scale_figures(figure, scales, between_nodes(topology))
     if "launch_overhead" in changes:
         changes["launch_overhead"] = float(changes["launch_overhead"])
     return dataclasses.replace(topology, name=f"{topology.name} (calibrated)", **changes)

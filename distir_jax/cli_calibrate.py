@@ -62,7 +62,9 @@ def add_calibrate_parser(sub, field_names, add_presets_option) -> None:
         default=None,
         metavar="NAME,...",
         help=f"figures to fit, from {', '.join(CALIBRATABLE_FIELDS)} (default: all that the "
-        "preset gives a non-zero value)",
+        "preset gives a non-zero value, but the network ones; network_bandwidth and network_latency "
+        "give the links between nodes factors of their own, and link_* then those within a node: "
+        "fit them from strategies whose traffic splits between the two differently)",
     )
 
 

@@ -336,8 +336,10 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
       base: a registered server preset, e.g. ``"dgx-a100-80gb"``.
       scales: factors by field, as :attr:`distir_jax.calibrate.Calibration.scales`
         gives them: ``peak_flops`` (every dtype's peak), ``memory_bandwidth``,
-        ``link_bandwidth`` (within and between nodes), ``link_latency`` and
-        ``launch_overhead``; fields left out keep their figures.
+        ``link_bandwidth`` and ``link_latency`` (within nodes, and between
+        them unless ``network_bandwidth`` / ``network_latency`` give those
+        their own factors), and ``launch_overhead``; fields left out keep
+        their figures.
 
     Raises:
       ValueError: for a name that is taken (by another preset than this very
@@ -355,6 +357,8 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         raise ValueError(f"unknown base preset {base!r}; expected one of {sorted(_NODES)}")
     check_scales(scales)
     s = {field: float(scales.get(field, 1.0)) for field in CALIBRATABLE_FIELDS}
+    # The links between nodes: their own factors where given, else the links' (NETWORK_FIELDS).
+    network = {x: float(scales.get(f"network_{x}", s[f"link_{x}"])) for x in ("bandwidth", "latency")}
     spec = _NODES[base]
     gpu = dataclasses.replace(
         spec.gpu,
@@ -368,8 +372,8 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         gpu=gpu,
         intra_bandwidth=spec.intra_bandwidth * s["link_bandwidth"],
         intra_latency=spec.intra_latency * s["link_latency"],
-        inter_bandwidth=spec.inter_bandwidth * s["link_bandwidth"] if networked else None,
-        inter_latency=spec.inter_latency * s["link_latency"] if networked else None,
+        inter_bandwidth=spec.inter_bandwidth * network["bandwidth"] if networked else None,
+        inter_latency=spec.inter_latency * network["latency"] if networked else None,
         launch_overhead=spec.launch_overhead * s["launch_overhead"],
     )
     if name in PRESETS:

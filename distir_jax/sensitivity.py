@@ -4,7 +4,10 @@ forward-mode differentiation through the timeline kernel.
 ``step_time_elasticities(programs, topology)[field][b]`` is ``d log(step time)
 / d log(figure)`` of program ``b``, the figure (one of
 :data:`~distir_jax.calibrate.CALIBRATABLE_FIELDS`) scaled on every device and
-link at once. -0.9 for ``peak_flops`` says 1% more FLOP/s shortens the step by
+link at once; on a cluster of several nodes the links between nodes
+(``network_bandwidth``, ``network_latency``: InfiniBand) count apart from
+those within a node (``link_*``: NVLink), so it also says which fabric
+bounds the step. -0.9 for ``peak_flops`` says 1% more FLOP/s shortens the step by
 ~0.9%: the step is compute-bound; +0.05 for ``link_latency``, that 1% more
 latency lengthens it by ~0.05%. It answers "what bounds this strategy on this
 cluster" beyond the compute / communication / bubble split of a result row,
@@ -36,8 +39,10 @@ import numpy as np
 
 from distir_jax.calibrate import (
     CALIBRATABLE_FIELDS,
+    NETWORK_FIELDS,
     _hardware_of,
     _linearized,
+    between_nodes,
     checked_programs,
     named_fields,
 )
@@ -47,8 +52,8 @@ from distir_jax.lower import Program, stack_programs
 __all__ = ["SPEED_FIELDS", "TIME_FIELDS", "step_time_elasticities"]
 
 # Figures that make an op faster as they grow, and those that make it slower.
-SPEED_FIELDS = ("peak_flops", "memory_bandwidth", "link_bandwidth")
-TIME_FIELDS = ("link_latency", "launch_overhead")
+SPEED_FIELDS = ("peak_flops", "memory_bandwidth", "link_bandwidth", "network_bandwidth")
+TIME_FIELDS = ("link_latency", "launch_overhead", "network_latency")
 
 
 def step_time_elasticities(
@@ -62,8 +67,12 @@ def step_time_elasticities(
         one value per variant.
       topology: the cluster, at the figures to differentiate at.
       fields: figures of :data:`~distir_jax.calibrate.CALIBRATABLE_FIELDS`
-        (default: all five). A figure that is 0 in ``topology`` (no launch
-        overhead) has elasticity 0.
+        (default: all, the network ones only where the programs' devices
+        span nodes). A figure that is 0 in ``topology`` (no launch
+        overhead, no links between nodes) has elasticity 0. With
+        ``network_bandwidth`` (``network_latency``), ``link_bandwidth``
+        (``link_latency``) is the links within a node, and the network one
+        those between nodes; without, ``link_*`` is every link (the sum of the two).
 
     Returns:
       ``{field: [B] elasticities}`` in ``fields``' order; exact semantics,
@@ -78,9 +87,13 @@ def step_time_elasticities(
         that takes no time.
     """
     checked_programs(programs, "step_time_elasticities")
-    fields = CALIBRATABLE_FIELDS if fields is None else named_fields(fields)
     program = stack_programs(programs)
     base = _hardware_of(program, topology)
+    between = between_nodes(topology, base.num_devices)
+    if fields is None:
+        fields = tuple(f for f in CALIBRATABLE_FIELDS if f not in NETWORK_FIELDS or between.any())
+    else:
+        fields = named_fields(fields)
     batch = program.flops.shape[0]
     with jax.enable_x64(True):
         # log step time and its Jacobian: the calibration's residual against a target of 1 s.
@@ -88,6 +101,7 @@ def step_time_elasticities(
             np.zeros(len(fields)),
             program=program,
             base=base,
+            between=between,
             target=np.zeros(batch),
             fields=fields,
             temperature=None,

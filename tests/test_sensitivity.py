@@ -6,38 +6,63 @@ import numpy as np
 import pytest
 
 import distir_jax as dj
-from distir_jax.calibrate import CALIBRATABLE_FIELDS, scaled_topology
+from distir_jax.calibrate import CALIBRATABLE_FIELDS, NETWORK_FIELDS, scaled_topology
 from distir_jax.sensitivity import SPEED_FIELDS, TIME_FIELDS
 from distir_jax.testing import random_function
 
 # Relative step of the finite differences, in log figure (1%).
 H = 0.01
+# The figures of a cluster of one node (no links between nodes).
+NODE_FIELDS = tuple(f for f in CALIBRATABLE_FIELDS if f not in NETWORK_FIELDS)
+
+
+def _two_nodes_of_two() -> dj.Topology:
+    """Devices 0, 1, 8, 9 of two DGX A100 nodes: NVSwitch within a node, InfiniBand between."""
+    whole, kept = dj.get_preset("dgx-a100-80gb:16"), np.array([0, 1, 8, 9])
+    pair = np.ix_(kept, kept)
+    vectors = {f: getattr(whole, f)[kept] for f in ("peak_flops", "memory_bandwidth", "memory_capacity")}
+    return dataclasses.replace(
+        whole,
+        name="two DGX A100 nodes, two GPUs each",
+        link_bandwidth=whole.link_bandwidth[pair],
+        link_latency=whole.link_latency[pair],
+        node_of_device=whole.node_of_device[kept],
+        **vectors,
+    )
 
 
 def _budget(elasticities: dict) -> np.ndarray:
     """Speeds' elasticities minus the times': -1 for any homogeneous step time."""
-    return sum(elasticities[f] for f in SPEED_FIELDS) - sum(elasticities[f] for f in TIME_FIELDS)
+    speeds = sum(elasticities[f] for f in SPEED_FIELDS if f in elasticities)
+    return speeds - sum(elasticities[f] for f in TIME_FIELDS if f in elasticities)
 
 
-def _reference_time(fn, topology, field, log_factor) -> float:
-    return dj.reference_simulate(fn, scaled_topology(topology, {field: float(np.exp(log_factor))})).step_time
+def _reference_time(fn, topology, field, log_factor, fields=NODE_FIELDS) -> float:
+    """The reference step time with ``field`` scaled as its elasticity among ``fields``
+    means it: a link field next to its network field, within nodes only."""
+    scales = {field: float(np.exp(log_factor))}
+    scales |= {network: 1.0 for network, link in NETWORK_FIELDS.items() if link == field and network in fields}
+    return dj.reference_simulate(fn, scaled_topology(topology, scales)).step_time
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_elasticities_are_subgradients_of_the_reference_step_time(seed):
+@pytest.mark.parametrize("seed,nodes", [(0, 1), (1, 1), (2, 2), (3, 2)])
+def test_elasticities_are_subgradients_of_the_reference_step_time(seed, nodes):
     """A step time is convex in each figure's log factor (max-plus in costs that are
     convex and monotone in it), so any derivative the kernel reports, ties
     included, lies between the reference simulator's backward and forward
-    differences; and the budget is exact."""
-    topology = dj.get_preset("dgx-a100-80gb:4")
+    differences; and the budget is exact. On two nodes the links between them
+    (the network figures) count apart from those within a node."""
+    topology = dj.get_preset("dgx-a100-80gb:4") if nodes == 1 else _two_nodes_of_two()
     fn = random_function(seed, 60, 4, num_streams=2, batch=256, hidden=512, comm_fraction=0.3)
     found = dj.step_time_elasticities([dj.lower(fn, topology)], topology)
-    assert list(found) == list(CALIBRATABLE_FIELDS)
+    assert list(found) == list(NODE_FIELDS if nodes == 1 else CALIBRATABLE_FIELDS)
+    if nodes == 2:  # both fabrics are on the critical path
+        assert found["network_bandwidth"][0] < 0 and found["link_bandwidth"][0] < 0
     np.testing.assert_allclose(_budget(found), -1.0, atol=1e-12)
     at = dj.reference_simulate(fn, topology).step_time
     for field, (value,) in found.items():
-        backward = (at - _reference_time(fn, topology, field, -H)) / H
-        forward = (_reference_time(fn, topology, field, H) - at) / H
+        backward = (at - _reference_time(fn, topology, field, -H, tuple(found))) / H
+        forward = (_reference_time(fn, topology, field, H, tuple(found)) - at) / H
         slope = value * at  # d(step time) / d(log factor)
         assert backward - 1e-9 * at <= slope <= forward + 1e-9 * at, (field, backward, slope, forward)
         assert (value <= 0) if field in SPEED_FIELDS else (value >= 0), (field, value)
@@ -55,6 +80,32 @@ def test_a_send_rests_on_link_bandwidth_and_latency_in_proportion():
     assert found["link_bandwidth"][0] == pytest.approx(-(total - latency) / total, rel=1e-9)
     for field in ("peak_flops", "memory_bandwidth", "launch_overhead"):
         assert found[field][0] == 0.0
+
+
+def test_the_network_and_the_links_within_a_node_split_the_links_elasticity():
+    """Sends within a node and across nodes: with the network figures, ``link_*``
+    is the part within a node and ``network_*`` the rest; without, ``link_*`` is
+    their sum (every link scaled at once); a send across nodes rests on the
+    network figures alone, in proportion to its latency and transfer time."""
+    topology = _two_nodes_of_two()
+    b = dj.FunctionBuilder("both_fabrics")
+    near = b.add("Send", b.input("x", (2048, 2048)), to=1)
+    far = b.add("Send", b.input("y", (1024, 1024), device=1), to=2)
+    program = dj.lower(b.build(near, far), topology)
+    split = dj.step_time_elasticities([program], topology)
+    whole = dj.step_time_elasticities([program], topology, fields=NODE_FIELDS)
+    for link, network in (("link_bandwidth", "network_bandwidth"), ("link_latency", "network_latency")):
+        assert split[link][0] + split[network][0] == pytest.approx(whole[link][0], rel=1e-12)
+        assert split[network][0] != 0.0 and split[link][0] != whole[link][0]
+    np.testing.assert_allclose(_budget(split), -1.0, atol=1e-12)
+
+    fn = dj.calibration_probes(network_peer=2)["large_network_send"]
+    found = dj.step_time_elasticities([dj.lower(fn, topology)], topology)
+    total = dj.reference_simulate(fn, topology).step_time
+    latency = float(topology.link_latency[0, 2])
+    assert found["network_latency"][0] == pytest.approx(latency / total, rel=1e-9)
+    assert found["network_bandwidth"][0] == pytest.approx(-(total - latency) / total, rel=1e-9)
+    assert found["link_bandwidth"][0] == found["link_latency"][0] == 0.0
 
 
 def test_several_programs_and_chosen_fields():
@@ -122,10 +173,10 @@ def test_configurations_coarse_programs_have_the_fine_programs_elasticities():
         config = make_config(tiny, **knobs)
         fast = config_elasticities(config)
         exact = config_elasticities(config, engine="exact")
-        assert list(fast) == list(CALIBRATABLE_FIELDS)
-        for field in CALIBRATABLE_FIELDS:
+        assert list(fast) == list(NODE_FIELDS)
+        for field in NODE_FIELDS:
             assert fast[field] == pytest.approx(exact[field], abs=1e-9), (knobs, field)
-        assert sum(fast[f] for f in SPEED_FIELDS) - sum(fast[f] for f in TIME_FIELDS) == pytest.approx(-1.0)
+        assert _budget(fast) == pytest.approx(-1.0)
 
 
 def test_configuration_errors_are_named():
@@ -145,8 +196,8 @@ def test_simulate_prints_the_sensitivity(capsys):
     assert main(["simulate", "--model", "mlp-xs", "--batch-size", "64", "--data", "2", "--sensitivity"]) == 0
     lines = capsys.readouterr().out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("sensitivity:"))
-    rows = [line.split() for line in lines[start + 2 : start + 2 + len(CALIBRATABLE_FIELDS)]]
-    assert [row[0] for row in rows] == list(CALIBRATABLE_FIELDS)
+    rows = [line.split() for line in lines[start + 2 : start + 2 + len(NODE_FIELDS)]]
+    assert [row[0] for row in rows] == list(NODE_FIELDS)
     values = {row[0]: float(row[1].rstrip("%")) for row in rows}
     assert _budget(values) == pytest.approx(-1.0, abs=1e-3)  # printed to 4 decimals
     assert all(not row[2].startswith("-") for row in rows)  # shares are sizes
