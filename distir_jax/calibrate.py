@@ -189,9 +189,10 @@ def calibrate(
     Raises:
       ValueError: for no programs, a measurement count that does not match
         them, a step time that is not a positive finite number, an unknown or
-        zero field (a network field of a topology of one node), a program on more devices than ``topology`` has, a
-        program that takes no time, ``steps < 1``, or an initial factor of a
-        field not fitted or outside :data:`FACTOR_BOUNDS`.
+        zero field (a network field of a topology of one node), a program on
+        more devices than ``topology`` has, a program that takes no time,
+        ``steps < 1``, or an initial factor of a field not fitted or outside
+        :data:`FACTOR_BOUNDS`.
     """
     return fit_factors(programs, measured, topology, fields, optimizer, steps, temperature, initial_scales)
 

@@ -41,7 +41,7 @@ def _reference_time(fn, topology, field, log_factor, fields=NODE_FIELDS) -> floa
     """The reference step time with ``field`` scaled as its elasticity among ``fields``
     means it: a link field next to its network field, within nodes only."""
     scales = {field: float(np.exp(log_factor))}
-    scales |= {network: 1.0 for network, link in NETWORK_FIELDS.items() if link == field and network in fields}
+    scales |= {net: 1.0 for net, link in NETWORK_FIELDS.items() if link == field and net in fields}
     return dj.reference_simulate(fn, scaled_topology(topology, scales)).step_time
 
 
