@@ -23,9 +23,13 @@ side: the fast engine's coarse programs (refitted until exact on the fitted
 figures) against the fine programs the transforms build, on six GPT-3 XL
 strategies on 16 GPUs (measured by the exact engine); and the fast engine
 alone on six GPT-3 175B strategies on 64 GPUs (measured by a sweep on a
-lab off in three figures; their step times barely depend on link latency
-and launch overhead, so those three are fitted), next to the time the transforms take to build one of
-their fine programs (not with ``--quick``).
+lab off in four figures, its network apart; their step times barely depend
+on latencies and launch overhead, so those four are fitted), next to the
+time the transforms take to build one of their fine programs (not with
+``--quick``). Before them, the probes with sends across two nodes
+(``calibration_probes(network_peer=8)``) on a lab whose InfiniBand is off
+by other factors than its NVSwitch, fitted with one factor for every link
+and with the network apart.
 
     python benchmarks/calibration.py [--quick]
 """
@@ -45,6 +49,8 @@ from distir_jax.testing.strategies import GPT3_175B_COMMON, GPT3_175B_RUNS, SMAL
 from search import calibrate_configs, make_config, simulate_config
 
 TRUTH = dict(peak_flops=0.55, memory_bandwidth=0.8, link_bandwidth=0.4, link_latency=3.0, launch_overhead=2.0)
+# A lab whose InfiniBand between nodes reaches another share of its figures than NVSwitch.
+NETWORK_TRUTH = dict(TRUTH, network_bandwidth=0.25, network_latency=1.5)
 NOMINAL = "dgx-a100-80gb"
 
 
@@ -57,7 +63,7 @@ def _optimizers():
 
 
 def _report(name: str, fit, seconds: float, fields=tuple(TRUTH)) -> None:
-    factor_error = max(abs(fit.scales[f] / TRUTH[f] - 1) for f in fields)
+    factor_error = max(abs(fit.scales[f] / NETWORK_TRUTH[f] - 1) for f in fields)
     time_error = np.max(np.abs(fit.relative_error))
     weak = f"   weakly determined: {', '.join(fit.weakly_determined)}" if fit.weakly_determined else ""
     print(
@@ -83,6 +89,7 @@ def main() -> None:
         start = time.perf_counter()
         fit = dj.calibrate(programs, measured, base, optimizer=optimizer, steps=steps)
         _report(name, fit, time.perf_counter() - start)
+    _two_nodes()
 
     model = TINY_GPT if args.quick else "gpt2-small"
     knobs = list(SMALL_TRAINING_RUNS)
@@ -136,16 +143,33 @@ def _engines() -> None:
     print(f"  fast engine vs exact engine: {seconds['exact'] / seconds['fast']:.1f}x")
 
 
+def _two_nodes() -> None:
+    """The 8 probes of ``calibration_probes(network_peer=8)`` on two nodes of a lab whose
+    network is off by other factors than its NVSwitch: every link one factor (the
+    default fields) against the network apart (all seven)."""
+    dj.register_calibrated_preset("lab-network", NOMINAL, NETWORK_TRUTH)
+    base, lab = dj.get_preset(f"{NOMINAL}:16"), dj.get_preset("lab-network:16")
+    probes = dj.calibration_probes(network_peer=8)
+    programs = [dj.lower(fn, base) for fn in probes.values()]
+    measured = [dj.reference_simulate(fn, lab).step_time for fn in probes.values()]
+    print(f"{len(probes)} probe programs on two nodes, the network off by other factors than NVSwitch:")
+    for label, fields in (("one link factor", None), ("network apart", dj.CALIBRATABLE_FIELDS)):
+        start = time.perf_counter()
+        fit = dj.calibrate(programs, measured, base, fields=fields)
+        shown = tuple(NETWORK_TRUTH) if fields else tuple(f for f in TRUTH if not f.startswith("link_"))
+        _report(f"{label} ({len(fit.scales)})", fit, time.perf_counter() - start, shown)
+
+
 def _gpt3(build_fine: bool) -> None:
     """The fast engine on six GPT-3 175B strategies (64 GPUs), measured by a sweep."""
     from search import evaluate
     from search._transform import build_function
 
-    fields = ("peak_flops", "memory_bandwidth", "link_bandwidth")
+    fields = ("peak_flops", "memory_bandwidth", "link_bandwidth", "network_bandwidth")
     common, knobs = GPT3_175B_COMMON, GPT3_175B_RUNS
-    # A lab whose other two figures are right: three fitted factors can meet it exactly.
-    dj.register_calibrated_preset("lab-3", NOMINAL, {f: TRUTH[f] for f in fields})
-    on_lab = [make_config("gpt3-175b", hardware="lab-3", **common, **k) for k in knobs]
+    # A lab whose latencies and launch overhead are right: four fitted factors can meet it exactly.
+    dj.register_calibrated_preset("lab-4", NOMINAL, {f: NETWORK_TRUTH[f] for f in fields})
+    on_lab = [make_config("gpt3-175b", hardware="lab-4", **common, **k) for k in knobs]
     measured = np.asarray(evaluate(on_lab, progress=False)["step_time_s"], np.float64)
     configs = [make_config("gpt3-175b", **common, **k) for k in knobs]
     print(f"6 GPT-3 175B training steps on 64 GPUs (measured by a sweep), {len(fields)} factors:")
