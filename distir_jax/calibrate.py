@@ -470,7 +470,7 @@ def calibration_probes(network_peer: int | None = None) -> dict[str, Function]:
 
 
 def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
-    values = field_values(topology)
+    values = _field_values(topology)
     nonzero = tuple(f for f in CALIBRATABLE_FIELDS if np.any(values[f] != 0))
     if fields is None:
         return tuple(f for f in nonzero if f not in NETWORK_FIELDS)
@@ -486,7 +486,7 @@ def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
     return fields
 
 
-def field_values(topology: Topology) -> dict[str, np.ndarray]:
+def _field_values(topology: Topology) -> dict[str, np.ndarray]:
     """Each of :data:`CALIBRATABLE_FIELDS`' figures in ``topology``; a network
     field's are its link table's entries between nodes (none on one node)."""
     values = {f: np.asarray(getattr(topology, f)) for f in CALIBRATABLE_FIELDS if f not in NETWORK_FIELDS}
@@ -609,12 +609,12 @@ def _first_devices(topology: Topology, count: int) -> Hardware:
 
 
 def _scaled(base: Hardware, between, fields: tuple[str, ...], theta) -> Hardware:
-    """``base`` with field ``fields[i]`` scaled by ``exp(theta[i])`` (see :func:`scale_figures`)."""
+    """``base`` with field ``fields[i]`` scaled by ``exp(theta[i])`` (see :func:`_scale_figures`)."""
     factors = {f: jnp.exp(theta[i]) for i, f in enumerate(fields)}
-    return base.replace(**scale_figures(lambda f: getattr(base, f), factors, between, jnp))
+    return base.replace(**_scale_figures(lambda f: getattr(base, f), factors, between, jnp))
 
 
-def scale_figures(figure, factors: Mapping, between, xp=np) -> dict:
+def _scale_figures(figure, factors: Mapping, between, xp=np) -> dict:
     """The figures ``factors`` scale, scaled: ``{field: figure(field) * factor}``, where
     a network field's factor scales its link table's entries ``between`` nodes
     (``[D, D]`` bools) and the link field's, if given, the others (see
@@ -657,7 +657,7 @@ def scaled_topology(topology: Topology, scales: Mapping[str, float]) -> Topology
     """
     check_scales(scales)
     figure = lambda f: np.asarray(getattr(topology, f))  # noqa: E731
-    changes = scale_figures(figure, scales, between_nodes(topology))
+    changes = _scale_figures(figure, scales, between_nodes(topology))
     if "launch_overhead" in changes:
         changes["launch_overhead"] = float(changes["launch_overhead"])
     return dataclasses.replace(topology, name=f"{topology.name} (calibrated)", **changes)
