@@ -7,11 +7,11 @@ from search import StrategySpace, evaluate
 from search.calibration import MEASURED_COLUMN
 
 
-def lab_rows(path, preset: str) -> list[dict]:
-    """The ok rows (CSV text values) of a small MLP sweep on ``preset`` over 1 to 4
+def lab_rows(path, preset: str, world_sizes=(1, 2, 4)) -> list[dict]:
+    """The ok rows (CSV text values) of a small MLP sweep on ``preset`` over ``world_sizes``
     GPUs and every data, tensor and pipeline layout, its results written to ``path``."""
     space = StrategySpace(
-        model="mlp-small", world_sizes=(1, 2, 4), global_batch_sizes=(64, 1024), microbatches=(2,),
+        model="mlp-small", world_sizes=world_sizes, global_batch_sizes=(64, 1024), microbatches=(2,),
         schedules=("1f1b",), zero=(False,), overlap_grad_comm=(False,), hardware=(preset,),
     )  # fmt: skip
     evaluate(space, results_path=path, progress=False)

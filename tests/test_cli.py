@@ -797,6 +797,43 @@ def test_calibrate_then_sweep_and_simulate_on_the_calibrated_preset(tmp_path, ca
     assert same and true_rows["step_time_s"][same[0]] == pytest.approx(best["step_time_s"][0], rel=1e-9)
 
 
+def test_calibrate_fits_the_network_apart_and_says_when_to(tmp_path, capsys, monkeypatch):
+    """Strategies on one node and across two, "run" on a lab whose InfiniBand reaches
+    another share of its figures than NVSwitch: one factor for all links misses
+    them, and `calibrate` says which --fields fit the network apart; those land on
+    the lab's figures."""
+    from lab_measurements import lab_rows, write_measurements
+
+    import distir_jax as dj
+    from distir_jax import presets
+
+    for registry in ("PRESETS", "_NODES"):  # this test's presets go with it
+        monkeypatch.setattr(presets, registry, dict(getattr(presets, registry)))
+    truth = dict(
+        peak_flops=0.5, memory_bandwidth=0.75, link_bandwidth=0.4, link_latency=2.0, launch_overhead=1.5
+    )
+    truth |= dict(network_bandwidth=0.15, network_latency=4.0)
+    dj.register_calibrated_preset("a100-two-fabrics", "dgx-a100-80gb", truth)
+    rows = lab_rows(tmp_path / "lab.csv", "a100-two-fabrics", world_sizes=(4, 8, 16))
+    picked = rows[:: len(rows) // 12][:12]
+    assert {row["world_size"] for row in picked} == {"4", "8", "16"}
+    measured = write_measurements(tmp_path / "measured.csv", picked, hardware="dgx-a100-80gb")
+
+    argv = ["calibrate", str(measured), "--name", "one-factor", "--output", str(tmp_path / "one.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    worst = re.search(r"still miss a measurement by ([0-9.]+)%", out)
+    assert worst and float(worst.group(1)) > 20, out
+    fields = re.search(r"--fields (\S+) fits it apart", out)
+    assert fields and fields.group(1).split(",") == list(dj.CALIBRATABLE_FIELDS), out
+
+    argv = ["calibrate", str(measured), "--name", "two-fabrics", "--output", str(tmp_path / "two.json")]
+    assert main(argv + ["--fields", fields.group(1)]) == 0
+    out = capsys.readouterr().out
+    assert "still miss" not in out and "fits it apart" not in out
+    assert json.loads((tmp_path / "two.json").read_text())["scales"] == pytest.approx(truth, rel=1e-6)
+
+
 def _same_strategy(a: dict, b: dict) -> bool:
     from search import Config
 
