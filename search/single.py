@@ -145,7 +145,7 @@ def config_elasticities(config: Config, *, engine: str = "fast", fields=None) ->
     ``engine="fast"`` differentiates the fast engine's coarse program at full
     length (its fine ops' roofline sides fixed where the preset puts them: the
     fine program's derivative wherever no op sits exactly on its roofline's
-    ridge; a GPT-3 175B pipeline takes about a second); ``"exact"``, and rows
+    ridge; a GPT-3 175B pipeline takes 2-3 s, compile included); ``"exact"``, and rows
     the fast engine does not model, the fine program (one replica of each
     symmetric group; minutes for GPT-3-sized pipelines). ``fields``: as
     :func:`~distir_jax.sensitivity.step_time_elasticities` takes them.
