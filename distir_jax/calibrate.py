@@ -477,10 +477,9 @@ def _checked_fields(topology: Topology, fields) -> tuple[str, ...]:
     fields = named_fields(fields)
     zero = [f for f in fields if f not in nonzero]
     if zero:
-        nodes = len(np.unique(topology.node_of_device))
         raise ValueError(
             f"fields {zero} are 0 everywhere in topology {topology.name!r}"
-            + (" (one node: no links between nodes)" if nodes == 1 else "")
+            + ("" if between_nodes(topology).any() else " (one node: no links between nodes)")
             + ": no factor moves them; leave them out"
         )
     return fields

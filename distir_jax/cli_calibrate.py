@@ -70,7 +70,7 @@ def add_calibrate_parser(sub, field_names, add_presets_option) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Runs ``calibrate``. Raises ValueError for bad input (the CLI's one-line usage error)."""
-    from distir_jax.calibrate import NETWORK_FIELDS, save_calibration
+    from distir_jax.calibrate import NETWORK_FIELDS, between_nodes, save_calibration
     from search.calibration import calibrate_configs, read_measurements
 
     name = args.name
@@ -104,7 +104,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             f"the calibrated figures still miss a measurement by {worst:.1%}: the cost model does not "
             "capture everything these runs spent time on (or a measurement is off)"
         )
-        if len(set(fit.topology.node_of_device.tolist())) > 1 and not set(NETWORK_FIELDS) & set(fit.scales):
+        if between_nodes(fit.topology).any() and not set(NETWORK_FIELDS) & set(fit.scales):
             fields = ",".join([*fit.scales, *NETWORK_FIELDS])
             print(
                 "  these runs span nodes, whose network may reach another share of its figures than the "

@@ -349,7 +349,11 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
     The preset lives in this process; :func:`distir_jax.calibrate.save_calibration`
     writes it to a file that ``load_calibration`` (and the CLI's ``--presets``) reads back.
     """
-    from distir_jax.calibrate import CALIBRATABLE_FIELDS, check_scales  # what a calibration scales
+    from distir_jax.calibrate import (  # what a calibration scales
+        CALIBRATABLE_FIELDS,
+        NETWORK_FIELDS,
+        check_scales,
+    )
 
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"a preset name is a non-empty string without ':', got {name!r}")
@@ -358,7 +362,7 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
     check_scales(scales)
     s = {field: float(scales.get(field, 1.0)) for field in CALIBRATABLE_FIELDS}
     # The links between nodes: their own factors where given, else the links' (NETWORK_FIELDS).
-    network = {x: float(scales.get(f"network_{x}", s[f"link_{x}"])) for x in ("bandwidth", "latency")}
+    network = {link: float(scales.get(field, s[link])) for field, link in NETWORK_FIELDS.items()}
     spec = _NODES[base]
     gpu = dataclasses.replace(
         spec.gpu,
@@ -372,8 +376,8 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         gpu=gpu,
         intra_bandwidth=spec.intra_bandwidth * s["link_bandwidth"],
         intra_latency=spec.intra_latency * s["link_latency"],
-        inter_bandwidth=spec.inter_bandwidth * network["bandwidth"] if networked else None,
-        inter_latency=spec.inter_latency * network["latency"] if networked else None,
+        inter_bandwidth=spec.inter_bandwidth * network["link_bandwidth"] if networked else None,
+        inter_latency=spec.inter_latency * network["link_latency"] if networked else None,
         launch_overhead=spec.launch_overhead * s["launch_overhead"],
     )
     if name in PRESETS:

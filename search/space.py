@@ -375,7 +375,7 @@ def model_label(model: ModelSpec) -> str:
 def resolve_model(model: ModelSpec, dtype: str | None, seq_len: int | None, precision: str | None = None):
     """The model config with ``dtype``, training ``precision`` (bf16 / f16 models; others
     train in full precision) and (transformers) ``seq_len`` applied."""
-    config = get_model_config(model) if isinstance(model, str) else model
+    config = _unresolved(model)
     changes = {}
     if dtype is not None and dtype != config.dtype:
         changes["dtype"] = dtype

@@ -431,7 +431,7 @@ def _layer_features(
     linear = linear_features(fine, topology, s)
     updates: list[list] = [[] for _ in range(num_parts)]
     weights: list[list] = [[] for _ in range(num_parts)]
-    producers = {v.name: op for op in fn.ops for v in op.outputs}
+    producer = fn.producers()
     # A tensor group's sync of a gradient (sequence parallelism's LayerNorms,
     # in place) runs right before its update: a per-weight update includes it.
     syncs = {
@@ -447,7 +447,7 @@ def _layer_features(
             if grad.name in syncs:
                 tensor_syncs[part].append((_rows(grad.type), syncs[grad.name]))
                 cost = cost + syncs[grad.name]
-            updates[part].append((gradient_to_reduce(producers, grad).name, cost))
+            updates[part].append((gradient_to_reduce(fn, producer, grad).name, cost))
             weights[part].append((op.inputs[0].name, op.inputs[0].type))
     segments = tuple(bops.segments(q, linear, topology, updates[q]) for q in range(num_parts))
     # Per-op flops and layers, for the pipeline transform's per-layer costs.

@@ -151,13 +151,12 @@ def backward_ops(fn, fine, labels, num_variants: int, num_parts: int = 3) -> Bac
         x = np.asarray(x, np.float64)[..., 0]  # the op's first slot: device 0
         return np.broadcast_to(x, (num_variants,) + x.shape[-1:])
 
-    producer = {v.name: i for i, op in enumerate(fn.ops) for v in op.outputs}
+    producer = fn.producers()
     type_of = {v.name: v.type for op in fn.ops for v in op.outputs}
     # What the optimizer updates with: the sums a pipeline accumulates (before a
     # tensor group's sync of them, which belongs to the update).
-    producer_op = {v.name: op for op in fn.ops for v in op.outputs}
     updated = {
-        gradient_to_reduce(producer_op, op.inputs[OPTIMIZER_GRADIENT[op.op_type]]).name
+        gradient_to_reduce(fn, producer, op.inputs[OPTIMIZER_GRADIENT[op.op_type]]).name
         for op in fn.ops
         if op.attr("phase") == "opt" and op.op_type in OPTIMIZER_GRADIENT
     }

@@ -228,9 +228,9 @@ def zero_shard(total, rows: int, degree: int):
     return total / rows * -(-rows // degree)
 
 
-def gradient_to_reduce(producers: dict[str, Op], grad: Value) -> Value:
+def gradient_to_reduce(fn: Function, producer: dict[str, int], grad: Value) -> Value:
     """The value whose replicas are summed for an optimizer's gradient operand ``grad``
-    (``producers``: value name -> the op that outputs it).
+    of ``fn`` (``producer``: ``fn.producers()``).
 
     Where ``grad`` is the result of an ``AllReduce`` in the optimizer phase
     (tensor parallelism's sync of a gradient that is a partial sum over ranks:
@@ -240,10 +240,11 @@ def gradient_to_reduce(producers: dict[str, Op], grad: Value) -> Value:
     (``finalize_model_grads``: data-parallel reductions in the backward, then
     the tensor group's all-reduce of LayerNorm gradients, then the step).
     """
-    producer = producers.get(grad.name)
-    if producer is None or producer.op_type != "AllReduce" or producer.attr("phase") != "opt":
+    index = producer.get(grad.name)
+    op = None if index is None else fn.ops[index]
+    if op is None or op.op_type != "AllReduce" or op.attr("phase") != "opt":
         return grad
-    return producer.inputs[[v.name for v in producer.outputs].index(grad.name)]
+    return op.inputs[[v.name for v in op.outputs].index(grad.name)]
 
 
 def _fits(bucket: list[_Grad], grad: _Grad, cap: float) -> bool:
@@ -289,7 +290,7 @@ class _Replicator:
     # Analysis of the input program.
 
     def _find_gradients(self) -> None:
-        producers = {v.name: op for op in self.fn.ops for v in op.outputs}
+        producer = self.fn.producers()
         for index, op in enumerate(self.fn.ops):
             if op.attr("phase") != "opt" or op.attr("weight") is None:
                 continue
@@ -298,7 +299,7 @@ class _Replicator:
                     f"data_parallel: op #{index} {op.op_type} updates weight {op.attr('weight')!r}, but only "
                     f"{sorted(OPTIMIZER_GRADIENT)} are known optimizer ops"
                 )
-            v = gradient_to_reduce(producers, op.inputs[OPTIMIZER_GRADIENT[op.op_type]])
+            v = gradient_to_reduce(self.fn, producer, op.inputs[OPTIMIZER_GRADIENT[op.op_type]])
             grad = _Grad(v.name, v.type.device, int(op.attr("layer", 0)), v.type)
             self.grads[v.name] = grad
             self.updates[index] = grad

@@ -82,7 +82,7 @@ class Rewriter:
         self._parts: dict[str, tuple[Value, ...]] = {}
         self._converted: dict[tuple, tuple[Value, ...]] = {}
         self._statistics: dict[str, tuple[Value, ...]] = {}  # by logits: every part's, gathered
-        self._producers = {v.name: op for op in fn.ops for v in op.outputs}
+        self._producer = fn.producers()
 
     # ------------------------------------------------------------------ #
     # Walking the program.
@@ -319,9 +319,10 @@ class Rewriter:
         output is cut into sequence parts in the embedding, as Megatron-LM's
         embedding scatters its output, not in the first block."""
         placement = _placement(consumer)
-        producer = self._producers.get(name)
-        if producer is not None and producer.attr("layer") is not None:
-            placement["layer"] = producer.attr("layer")
+        index = self._producer.get(name)
+        layer = None if index is None else self.fn.ops[index].attr("layer")
+        if layer is not None:
+            placement["layer"] = layer
         mine = []
         for k, rank in enumerate(self.ranks):
             names = [self._fresh(f"{base}_{j}.tp{rank}") for j in range(self.degree)]
