@@ -13,6 +13,7 @@ type-checks:
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 import numpy as np
@@ -60,32 +61,108 @@ def random_functions(max_ops: int = 12, max_devices: int = 4, num_streams: int =
 
     @st.composite
     def functions(draw):
-        return _Drawer(draw, st, max_devices, num_streams).function(max_ops)
+        return _Drawer(draw, max_devices, num_streams).function(max_ops)
 
     return functions()
+
+
+# Strategies are built once and drawn from many times: hypothesis checks a
+# strategy when it is first drawn from, and building and checking them anew at
+# every draw took ~60% of the time to draw a program (and most of the time of
+# the property tests that use them).
+
+
+@functools.cache
+def _integers(low: int, high: int):
+    from hypothesis import strategies as st
+
+    return st.integers(low, high)
+
+
+@functools.cache
+def _sampled(options: tuple):
+    from hypothesis import strategies as st
+
+    return st.sampled_from(options)
+
+
+@functools.cache
+def _booleans():
+    from hypothesis import strategies as st
+
+    return st.booleans()
+
+
+@functools.cache
+def _shapes(min_rank: int, max_rank: int):
+    from hypothesis import strategies as st
+
+    return st.lists(_sampled(_DIMS), min_size=min_rank, max_size=max_rank)
+
+
+@functools.cache
+def _distinct(count: int, min_size: int, max_size: int):
+    """Lists of ``min_size..max_size`` distinct ints in ``[0, count)``."""
+    from hypothesis import strategies as st
+
+    return st.lists(_integers(0, count - 1), min_size=min_size, max_size=max_size, unique=True)
+
+
+@functools.cache
+def _names():
+    from hypothesis import strategies as st
+
+    return st.from_regex(_NAME_PATTERN, fullmatch=True)
+
+
+@functools.cache
+def _learning_rates():
+    from hypothesis import strategies as st
+
+    return st.floats(1e-6, 1.0)
+
+
+@functools.cache
+def _extra_attrs():
+    from hypothesis import strategies as st
+
+    keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.]{0,8}", fullmatch=True)
+    keys = keys.filter(lambda k: k not in RESERVED_ATTRS)
+    scalars = st.one_of(st.integers(), st.floats(), st.text(max_size=6), st.booleans())
+    return st.dictionaries(keys, st.one_of(scalars, st.lists(scalars, max_size=3).map(tuple)), max_size=2)
 
 
 class _Drawer:
     """Draws one program op by op; ``pool`` holds every value drawn so far."""
 
-    def __init__(self, draw, st, max_devices: int, num_streams: int):
-        self.draw, self.st = draw, st
-        self.num_devices = draw(st.integers(1, max_devices))
+    def __init__(self, draw, max_devices: int, num_streams: int):
+        self.draw = draw
+        self.num_devices = draw(_integers(1, max_devices))
         self.num_streams = num_streams
-        self.builder = FunctionBuilder(draw(st.from_regex(_NAME_PATTERN, fullmatch=True)))
+        self.builder = FunctionBuilder(draw(_names()))
         self.pool: list[Value] = []
         self.names: set[str] = set()
 
+    def _int(self, low: int, high: int) -> int:
+        return self.draw(_integers(low, high))
+
+    def _flip(self) -> bool:
+        return self.draw(_booleans())
+
+    def _one_of(self, options):
+        """One of ``options`` (a sequence built per draw is indexed, not sampled)."""
+        return options[self._int(0, len(options) - 1)]
+
     def function(self, max_ops: int) -> Function:
-        draw, st = self.draw, self.st
+        draw = self.draw
         # Compute kinds twice, so that about half of all ops compute.
-        kinds = ["MatMul", "binary", "unary", "SGD"] * 2
+        kinds = ("MatMul", "binary", "unary", "SGD") * 2
         kinds += COMM_OPS if self.num_devices > 1 else COMM_OPS[1:]
-        for _ in range(draw(st.integers(0, max_ops))):
-            op_type, operands, attrs = getattr(self, "_" + draw(st.sampled_from(kinds)))()
-            if draw(st.booleans()):
-                attrs["stream"] = draw(st.integers(0, self.num_streams - 1))
-            attrs.update(draw(st.dictionaries(_attr_keys(st), _attr_values(st), max_size=2)))
+        for _ in range(self._int(0, max_ops)):
+            op_type, operands, attrs = getattr(self, "_" + draw(_sampled(kinds)))()
+            if self._flip():
+                attrs["stream"] = self._int(0, self.num_streams - 1)
+            attrs.update(draw(_extra_attrs()))
             names = self._result_names(_result_count(op_type, operands, attrs))
             if op_type in OPTIONAL_UNARY_OPS:
                 # Another module defines these; fall back if its rule rejects the operand.
@@ -100,16 +177,16 @@ class _Drawer:
             self.names.update(v.name for v in outputs)
         returned = []
         if self.pool:
-            returned = draw(st.lists(st.sampled_from(self.pool), max_size=3, unique_by=lambda v: v.name))
+            returned = [self.pool[i] for i in draw(_distinct(len(self.pool), 0, 3))]
         return self.builder.build(*returned)
 
     # Operands -------------------------------------------------------------
 
     def _fresh_name(self) -> str | None:
         """A random unused name, or ``None`` (then the builder picks one)."""
-        if self.draw(self.st.integers(0, 3)) != 0:
+        if self._int(0, 3) != 0:
             return None
-        name = self.draw(self.st.from_regex(_NAME_PATTERN, fullmatch=True))
+        name = self.draw(_names())
         return None if name in self.names else name
 
     def _result_names(self, count: int) -> list[str] | None:
@@ -132,7 +209,6 @@ class _Drawer:
     ):
         """A reused value that fits, or (half the time, or if none fits) a new
         input of ``shape`` (else ``new_shape``, else a random shape)."""
-        draw, st = self.draw, self.st
         fits = [
             v
             for v in self.pool
@@ -142,26 +218,19 @@ class _Drawer:
             and min_rank <= v.type.rank <= max_rank
             and (where is None or where(v))
         ]
-        if fits and draw(st.booleans()):
-            return draw(st.sampled_from(fits))
+        if fits and self._flip():
+            return self._one_of(fits)
         shape = new_shape if shape is None else shape
         if shape is None:
-            shape = draw(st.lists(st.sampled_from(_DIMS), min_size=min_rank, max_size=max_rank))
+            shape = self.draw(_shapes(min_rank, max_rank))
         if dtype is None:
-            dtype = draw(st.sampled_from(sorted(DTYPE_BYTES)))
+            dtype = self.draw(_sampled(tuple(sorted(DTYPE_BYTES))))
         if device is None:
-            device = draw(st.integers(0, self.num_devices - 1))
+            device = self._int(0, self.num_devices - 1)
         return self._input(tuple(shape), dtype, device)
 
     def _group(self, size_min=1):
-        return self.draw(
-            self.st.lists(
-                self.st.integers(0, self.num_devices - 1),
-                min_size=size_min,
-                max_size=self.num_devices,
-                unique=True,
-            )
-        )
+        return self.draw(_distinct(self.num_devices, size_min, self.num_devices))
 
     def _members(self, first: Value, devices) -> list[Value]:
         t = first.type
@@ -169,22 +238,20 @@ class _Drawer:
 
     def _split_operand(self, device, parts):
         """An operand with a dimension divisible by ``parts``, and that axis."""
-        draw, st = self.draw, self.st
-        shape = draw(st.lists(st.sampled_from(_DIMS), min_size=1, max_size=3))
-        shape[draw(st.integers(0, len(shape) - 1))] = parts * draw(st.sampled_from(_DIMS[:4]))
+        shape = self.draw(_shapes(1, 3))
+        shape[self._int(0, len(shape) - 1)] = parts * self.draw(_sampled(_DIMS[:4]))
         x = self._operand(
             device, min_rank=1, where=lambda v: any(d % parts == 0 for d in v.type.shape), new_shape=shape
         )
-        axis = draw(st.sampled_from([a for a, d in enumerate(x.type.shape) if d % parts == 0]))
-        return x, (axis - x.type.rank if draw(st.booleans()) else axis)
+        axis = self._one_of([a for a, d in enumerate(x.type.shape) if d % parts == 0])
+        return x, (axis - x.type.rank if self._flip() else axis)
 
     # Op kinds: each returns (op_type, operands, attrs) -------------------
 
     def _MatMul(self):
-        draw, st = self.draw, self.st
         a = self._operand(min_rank=2, max_rank=2)
-        ta, tb = draw(st.booleans()), draw(st.booleans())
-        k, n = a.type.shape[0 if ta else 1], draw(st.sampled_from(_DIMS))
+        ta, tb = self._flip(), self._flip()
+        k, n = a.type.shape[0 if ta else 1], self.draw(_sampled(_DIMS))
         b = self._operand(
             a.type.device,
             dtype=a.type.dtype,
@@ -194,41 +261,40 @@ class _Drawer:
             new_shape=(n, k) if tb else (k, n),
         )
         attrs = {}
-        if ta or draw(st.booleans()):
+        if ta or self._flip():
             attrs["transpose_a"] = ta
-        if tb or draw(st.booleans()):
+        if tb or self._flip():
             attrs["transpose_b"] = tb
         return "MatMul", (a, b), attrs
 
     def _binary(self):
-        draw, st = self.draw, self.st
         a = self._operand()
         # b's shape broadcasts against a's: a suffix of it (b shorter) or
         # extra leading dims (b longer); 1s broadcast in either direction.
-        start = draw(st.integers(0, a.type.rank))
-        prefix = draw(st.lists(st.sampled_from(_DIMS), max_size=3 - a.type.rank)) if start == 0 else []
+        start = self._int(0, a.type.rank)
+        prefix = self.draw(_shapes(0, 3 - a.type.rank)) if start == 0 else []
         suffix = [
-            draw(st.sampled_from(_DIMS)) if d == 1 else (1 if draw(st.integers(0, 3)) == 0 else d)
+            self.draw(_sampled(_DIMS)) if d == 1 else (1 if self._int(0, 3) == 0 else d)
             for d in a.type.shape[start:]
         ]
         b = self._operand(a.type.device, prefix + suffix, a.type.dtype)
-        operands = (a, b) if draw(st.booleans()) else (b, a)
-        return draw(st.sampled_from(BINARY_OPS)), operands, {}
+        operands = (a, b) if self._flip() else (b, a)
+        return self.draw(_sampled(BINARY_OPS)), operands, {}
 
     def _unary(self):
         optional = tuple(t for t in OPTIONAL_UNARY_OPS if t in registered_op_types())
-        op_type = self.draw(self.st.sampled_from(UNARY_OPS + optional))
-        x = self._operand(dtype=self.draw(self.st.sampled_from(("f32", "f16", "bf16", "f64"))))
+        op_type = self.draw(_sampled(UNARY_OPS + optional))
+        x = self._operand(dtype=self.draw(_sampled(("f32", "f16", "bf16", "f64"))))
         return op_type, (x,), {}
 
     def _SGD(self):
         w = self._operand()
         g = self._operand(w.type.device, w.type.shape, w.type.dtype)
-        return "SGD", (w, g), {"lr": self.draw(self.st.floats(1e-6, 1.0))}
+        return "SGD", (w, g), {"lr": self.draw(_learning_rates())}
 
     def _Send(self):
         x = self._operand()
-        to = self.draw(self.st.integers(0, self.num_devices - 2))
+        to = self._int(0, self.num_devices - 2)
         return "Send", (x,), {"to": to + (to >= x.type.device)}
 
     def _AllReduce(self):
@@ -263,13 +329,13 @@ class _Drawer:
     def _Gather(self):
         devices = self._group()
         x = self._operand(devices[0], min_rank=1)
-        attrs = {"to": self.draw(self.st.integers(0, self.num_devices - 1)), **self._maybe_axis("axis", x)}
+        attrs = {"to": self._int(0, self.num_devices - 1), **self._maybe_axis("axis", x)}
         return "Gather", tuple(self._members(x, devices)), attrs
 
     def _maybe_axis(self, key, x):
-        if self.draw(self.st.booleans()):
+        if self._flip():
             return {}
-        return {key: self.draw(self.st.integers(-x.type.rank, x.type.rank - 1))}
+        return {key: self._int(-x.type.rank, x.type.rank - 1)}
 
 
 def _result_count(op_type, operands, attrs) -> int:
@@ -278,17 +344,6 @@ def _result_count(op_type, operands, attrs) -> int:
     if op_type in ("AllReduce", "AllGather", "ReduceScatter", "AllToAll"):
         return len(operands)
     return 1
-
-
-def _attr_keys(st):
-    return st.from_regex(r"[A-Za-z_][A-Za-z0-9_.]{0,8}", fullmatch=True).filter(
-        lambda k: k not in RESERVED_ATTRS
-    )
-
-
-def _attr_values(st):
-    scalars = st.one_of(st.integers(), st.floats(), st.text(max_size=6), st.booleans())
-    return st.one_of(scalars, st.lists(scalars, max_size=3).map(tuple))
 
 
 # --------------------------------------------------------------------------- #
