@@ -1082,6 +1082,10 @@ def _simulate(args) -> int:
     print(f"step time: {row['step_time_s']:.6g} s")
     print(f"throughput: {row['throughput_samples_per_s']:.6g} samples/s")
     print(
+        f"model FLOPs utilization: {row['mfu']:.1%} ({row['model_tflops_per_gpu']:.4g} TFLOP/s of the "
+        "model's matmuls per GPU; recomputation not counted)"
+    )
+    print(
         f"compute / communication / bubble on the busiest GPU: {row['compute_time_s']:.4g} / "
         f"{row['communication_time_s']:.4g} / {row['bubble_time_s']:.4g} s"
     )

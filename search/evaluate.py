@@ -106,6 +106,7 @@ from distir_jax.kernel import (
     start_timeline,
 )
 from distir_jax.lower import Capacity, lower
+from distir_jax.models import model_flops_per_sample
 from distir_jax.transforms.coarse_steady import extrapolate
 from search._fast import ENGINES, FastEngine, fast_unsupported
 from search._programs import (
@@ -615,6 +616,7 @@ def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: st
     metrics = {
         "step_time_s": step,
         "throughput_samples_per_s": config.global_batch_size / step if step > 0 else math.inf,
+        **_utilization(config, step),
         "peak_memory_bytes": float(peak.max()),
         "peak_memory_gb": float(peak.max()) / 1e9,
         "compute_time_s": float(out["compute"]),
@@ -635,6 +637,15 @@ def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: st
         )
         return ResultTable.row_for(config, STATUS_OOM, reason, metrics)
     return ResultTable.row_for(config, STATUS_OK, "", metrics)
+
+
+def _utilization(config: Config, step: float) -> dict:
+    """``model_tflops_per_gpu`` and ``mfu`` of a row that ran ``step`` seconds
+    (see :mod:`search.results`): the model's matmul FLOPs per step over the
+    step time, per GPU and over the GPUs' peak FLOP/s."""
+    flops_per_s = model_flops_per_sample(config.model_config) * config.global_batch_size / step
+    peak = float(np.sum(config.topology().peak_flops))
+    return {"model_tflops_per_gpu": flops_per_s / config.world_size / 1e12, "mfu": flops_per_s / peak}
 
 
 def _local_devices(shard: bool) -> list:

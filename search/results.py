@@ -9,6 +9,11 @@ Columns (see :data:`COLUMNS` for types):
   says why a row is not ok.
 * ``step_time_s``: seconds per training step; ``throughput_samples_per_s``:
   ``global_batch_size / step_time_s``.
+* ``model_tflops_per_gpu``: the model's FLOPs per step
+  (:func:`distir_jax.models.flops.model_flops_per_sample` times the batch: its
+  forward and backward matmuls, not what recomputation adds) per second and
+  GPU, in TFLOP/s; ``mfu``: model FLOPs utilization, the same over the GPUs'
+  peak FLOP/s in the row's dtype (0.45 is 45%).
 * ``peak_memory_bytes`` / ``peak_memory_gb``: the largest per-device peak.
 * ``compute_time_s``, ``communication_time_s``, ``bubble_time_s``: the
   breakdown on the *busiest* device (the one with the most busy seconds,
@@ -22,7 +27,7 @@ Columns (see :data:`COLUMNS` for types):
 * ``engine``: ``"exact"`` or ``"fast"`` (see :func:`search.evaluate`); empty when nothing ran.
 
 Invalid rows are never NaN: their step time is ``inf``, and throughput,
-memory and breakdown are 0, so sorting never favours them; filter by
+utilization, memory and breakdown are 0, so sorting never favours them; filter by
 ``status``.
 """
 
@@ -71,6 +76,8 @@ COLUMNS: dict[str, type] = {
     "reason": str,
     "step_time_s": float,
     "throughput_samples_per_s": float,
+    "model_tflops_per_gpu": float,
+    "mfu": float,
     "peak_memory_bytes": float,
     "peak_memory_gb": float,
     "compute_time_s": float,
@@ -82,6 +89,8 @@ COLUMNS: dict[str, type] = {
 METRICS = (
     "step_time_s",
     "throughput_samples_per_s",
+    "model_tflops_per_gpu",
+    "mfu",
     "peak_memory_bytes",
     "peak_memory_gb",
     "compute_time_s",
@@ -433,6 +442,7 @@ DISPLAY_COLUMNS = (
     "global_batch_size",
     "step_time_s",
     "throughput_samples_per_s",
+    "mfu",
     "peak_memory_gb",
     "compute_time_s",
     "communication_time_s",
@@ -445,6 +455,7 @@ DISPLAY_NAMES = {
     "global_batch_size": "batch",
     "step_time_s": "step s",
     "throughput_samples_per_s": "samples/s",
+    "mfu": "MFU",
     "peak_memory_gb": "peak GB",
     "compute_time_s": "compute s",
     "communication_time_s": "comm s",
@@ -514,6 +525,8 @@ def _show(value, column: str) -> str:
             return f"{value:.1f}"
         if column == "peak_memory_gb":
             return f"{value:.2f}"
+        if column == "mfu":
+            return f"{value:.1%}"
         return f"{value:.4g}"
     return str(value)
 

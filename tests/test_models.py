@@ -14,6 +14,7 @@ from distir_jax.models import (
     TransformerConfig,
     check_contract,
     gradient_ops,
+    model_flops_per_sample,
     optimizer_ops,
     weight_names,
 )
@@ -364,3 +365,43 @@ def test_bad_inputs_raise_value_error_naming_the_parameter(make, pattern):
 def test_public_names_exist():
     for name in models.__all__:
         assert hasattr(models, name), name
+
+
+# --- model FLOPs (the numerator of MFU) -------------------------------------
+
+
+def _program_matmul_flops(config, batch: int) -> float:
+    """Every forward and backward MatMul's FLOPs in the training step's program, whole."""
+    fn = models.build_training_step(config, batch)
+    total = 0.0
+    for op in fn.ops:
+        if op.op_type == "MatMul" and op.attr("phase") != "opt":
+            types = (tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs))
+            total += float(get_spec("MatMul").features(op.attr_dict, *types).flops)
+    return total
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MLPConfig(num_layers=7, hidden=12),
+        TransformerConfig(num_layers=5, hidden=16, num_heads=4, vocab_size=40, seq_len=6),
+        TransformerConfig(num_layers=2, hidden=16, num_heads=2, vocab_size=40, seq_len=6, ffn_hidden=24),
+    ],
+    ids=["mlp", "gpt", "gpt-2-layers"],
+)
+def test_model_flops_are_the_programs_matmuls_at_any_batch(config):
+    for batch in (1, 3):
+        assert _program_matmul_flops(config, batch) == batch * model_flops_per_sample(config)
+
+
+def test_model_flops_are_megatrons_formula():
+    # Narayanan et al. (2021): 72 S L H^2 (1 + S / (6 H) + V / (12 H L)) per sample;
+    # an MLP needs no gradient of its input: 6 L H^2 - 2 H^2.
+    for name in ("gpt2-small", "gpt3-xl", "gpt3-175b"):
+        c = models.get_model_config(name)
+        s, n, h, v = c.seq_len, c.num_layers, c.hidden, c.vocab_size
+        want = 72 * s * n * h * h * (1 + s / (6 * h) + v / (12 * h * n))
+        assert model_flops_per_sample(name) == pytest.approx(want, rel=1e-12), name
+    mlp = models.get_model_config("mlp-small")
+    assert model_flops_per_sample(mlp) == 6 * mlp.num_layers * mlp.hidden**2 - 2 * mlp.hidden**2

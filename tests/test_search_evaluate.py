@@ -89,6 +89,22 @@ def test_sweep_matches_the_reference_simulator(swept):
             )
 
 
+def test_utilization_is_the_models_flops_over_the_gpus_peak(swept):
+    from distir_jax.models import model_flops_per_sample
+
+    configs, table = swept
+    simulated = table["status"] != "invalid"
+    assert (table["mfu"][~simulated] == 0).all() and (table["model_tflops_per_gpu"][~simulated] == 0).all()
+    for i in np.flatnonzero(simulated):
+        c = configs[i]
+        flops_per_s = model_flops_per_sample(c.model_config) * c.global_batch_size / table["step_time_s"][i]
+        peak = c.world_size * c.topology().peak_flops[0]  # the presets' GPUs are all alike
+        assert table["mfu"][i] == pytest.approx(flops_per_s / peak, rel=1e-12)
+        assert table["model_tflops_per_gpu"][i] == pytest.approx(flops_per_s / c.world_size / 1e12, rel=1e-12)
+    # Every simulated row does some of the model's work, and none beats the GPUs' peak.
+    assert 0 < table["mfu"][simulated].min() and table["mfu"].max() < 1
+
+
 def test_breakdown_adds_up_to_the_step_time_with_one_stream(swept):
     configs, table = swept
     rows = [i for i, c in enumerate(configs) if not c.overlap_grad_comm and table["status"][i] != "invalid"]

@@ -93,6 +93,7 @@ from distir_jax.models.contract import (
     weight_layer,
     weight_names,
 )
+from distir_jax.models.flops import model_flops_per_sample
 from distir_jax.models.mlp import mlp_inference, mlp_loss, mlp_training_step
 from distir_jax.models.transformer import (
     transformer_inference,
@@ -112,6 +113,7 @@ __all__ = [
     "mlp_inference",
     "mlp_loss",
     "mlp_training_step",
+    "model_flops_per_sample",
     "model_names",
     "optimizer_ops",
     "transformer_inference",
