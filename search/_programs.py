@@ -68,6 +68,13 @@ class Prepared:
     def num_variants(self) -> int:
         return self.peak_bytes.shape[0]
 
+    def resident_bytes(self, variant: int) -> np.ndarray:
+        """``[D']`` bytes resident from the start on each device (size ``variant``):
+        weights, optimizer state and the step's data; the rest of a peak is what
+        the step allocates (activations, gradients, messages)."""
+        resident = np.asarray(self.program.resident_bytes, np.float64)
+        return resident[variant] if resident.ndim > 1 else resident
+
     @functools.cached_property
     def capacity(self) -> Capacity:
         return self.program.capacity  # (read for every row a sweep batches)

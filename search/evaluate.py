@@ -631,9 +631,12 @@ def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: st
     over = peak > capacity
     if over.any():
         d = int(np.argmax(peak - capacity))
+        resident = float(prepared.resident_bytes(variant if prepared.num_variants > 1 else 0)[d])
         reason = (
             f"peak {peak[d] / 1e9:.2f} GB on device {int(prepared.devices[d])} exceeds its "
-            f"{capacity[d] / 1e9:.2f} GB"
+            f"{capacity[d] / 1e9:.2f} GB: {resident / 1e9:.2f} GB resident (weights, optimizer state, "
+            f"data) + {(peak[d] - resident) / 1e9:.2f} GB the step allocates (activations, gradients, "
+            "messages)"
         )
         return ResultTable.row_for(config, STATUS_OOM, reason, metrics)
     return ResultTable.row_for(config, STATUS_OK, "", metrics)

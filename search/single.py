@@ -95,7 +95,7 @@ def simulate_config(
             devices=prepared.devices,
             peak_memory_bytes=prepared.peak_bytes[0],
             simulated=_simulated(prepared),
-            resident_bytes=_resident(prepared, 0),
+            resident_bytes=prepared.resident_bytes(0),
             op_start=np.asarray(op_start[0, :n], np.float64),
             op_finish=np.asarray(op_finish[0, :n], np.float64),
             op_devices=_op_devices(prepared),
@@ -134,7 +134,7 @@ def summarize_config(config: Config, *, engine: str = "fast", precision: str = "
     if ready is None:  # the row is invalid, with the reason the preparation gave
         return ConfigSummary(row, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool), np.zeros(0))
     return ConfigSummary(
-        row, ready.devices, ready.peak_bytes[variant], _simulated(ready), _resident(ready, variant)
+        row, ready.devices, ready.peak_bytes[variant], _simulated(ready), ready.resident_bytes(variant)
     )
 
 
@@ -225,12 +225,6 @@ def _op_devices(prepared) -> np.ndarray:
     """``[N, K]`` the cluster's device of each op slot of a compacted program, -1 for none."""
     slots = np.asarray(prepared.program.slot_device)
     return np.where(slots >= 0, prepared.devices[np.maximum(slots, 0)], -1)
-
-
-def _resident(prepared, variant: int) -> np.ndarray:
-    """``[D']`` bytes resident from the start on each device of a compacted program (size ``variant``)."""
-    resident = np.asarray(prepared.program.resident_bytes, np.float64)
-    return resident[variant] if resident.ndim > 1 else resident
 
 
 def _simulated(prepared) -> np.ndarray:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -181,6 +182,12 @@ def test_out_of_memory_rows_are_simulated_and_explained():
     assert table["status"].tolist() == ["out of memory"]
     assert "exceeds" in table["reason"][0] and table["peak_memory_gb"][0] > 16
     assert np.isfinite(table["step_time_s"][0])
+    # The reason splits the peak into what is resident from the start and what the step allocates.
+    found = re.search(r"([\d.]+) GB resident .* \+ ([\d.]+) GB the step allocates", table["reason"][0])
+    resident, allocated = float(found[1]), float(found[2])
+    assert resident + allocated == pytest.approx(table["peak_memory_gb"][0], abs=0.011)
+    weights = 64 * 16384**2 * 4 / 1e9  # with the batch's data, resident: it alone does not fit
+    assert weights < resident < weights + 1 and allocated > 0
 
 
 def test_zero_over_replicas_that_do_not_divide_the_rows_pads_and_matches_the_reference():
