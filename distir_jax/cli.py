@@ -165,7 +165,8 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
             type=_names,
             metavar="NAME,...",
             default=_names(DEFAULT_SWEEP["model"]),
-            help=f"model preset(s), comma-separated, from: {names} (default: {DEFAULT_SWEEP['model']})",
+            help=f"model preset(s), comma-separated, from: {names}, or named in a --models file "
+            f"(default: {DEFAULT_SWEEP['model']})",
         )
         p.add_argument(
             "--hardware",
@@ -198,7 +199,11 @@ def _add_model_options(p: argparse.ArgumentParser, many: bool) -> None:
         )
     else:
         model = DEFAULT_SWEEP["model"]
-        p.add_argument("--model", default=model, help=f"model preset, from: {names} (default: {model})")
+        p.add_argument(
+            "--model",
+            default=model,
+            help=f"model preset, from: {names}, or named in a --models file (default: {model})",
+        )
         p.add_argument(
             "--hardware",
             type=_preset,
@@ -401,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         "transforms (default: fast)",
     )
     _add_precision_option(s)
-    _add_presets_option(s)
+    _add_file_options(s)
     s.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
     m = sub.add_parser(
@@ -442,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap-grad-comm", action="store_true", help="overlap gradient reduction with the backward pass"
     )
     _add_precision_option(m)
-    _add_presets_option(m)
+    _add_file_options(m)
     m.add_argument(
         "--engine",
         default=None,
@@ -485,11 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("output", help="the joined results file, .csv or .parquet")
     g.add_argument("inputs", nargs="+", metavar="part", help="the parts' results files")
     _add_ranking_options(g)
-    _add_presets_option(g)
+    _add_file_options(g)
 
     from distir_jax.calibrate import CALIBRATABLE_FIELDS
 
-    add_calibrate_parser(sub, _some_of(CALIBRATABLE_FIELDS), _add_presets_option)
+    add_calibrate_parser(sub, _some_of(CALIBRATABLE_FIELDS), _add_file_options)
     return parser
 
 
@@ -567,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.preset_files = preset_files
     commands = {"sweep": _sweep, "simulate": _simulate, "merge": _merge, "calibrate": run_calibrate}
     try:
+        args.model_files = _load_model_files(args.models)
         _use_compilation_cache()
         return commands[args.command](args)
     except ValueError as err:  # a bad combination of options, found by the library
@@ -596,13 +602,30 @@ def _load_preset_files(argv: Sequence[str]) -> dict[str, str]:
     return {load_calibration(path): path for path in _names(known.presets)} if known.presets else {}
 
 
-def _add_presets_option(p: argparse.ArgumentParser) -> None:
+def _add_file_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--presets",
         default="",
         metavar="FILE,...",
         help="calibration files (written by `distir-jax calibrate`) whose presets --hardware may name",
     )
+    p.add_argument(
+        "--models",
+        default="",
+        metavar="FILE,...",
+        help='JSON files of your own models by name, which --model may name: {"my-gpt": {"kind": "gpt", '
+        '"num_layers": 32, "hidden": 4096, "num_heads": 32, "vocab_size": 32000, "seq_len": 4096}} '
+        "(fields of distir_jax.models.TransformerConfig, or MLPConfig for kind mlp)",
+    )
+
+
+def _load_model_files(models: str) -> dict[str, str]:
+    """Registers the models of ``--models`` files; returns each one's file, by name."""
+    from distir_jax.models import load_models
+
+    if not models:
+        return {}
+    return {name: path for path in _names(models) for name in load_models(path)}
 
 
 def _sweep(args) -> int:
@@ -944,7 +967,7 @@ def _report(table, args, written: list[str], how: str) -> None:
         front = table.pareto_front()
         print(f"\nthroughput vs peak memory Pareto front ({len(front)} configurations):")
         print(front.format(columns))
-        command = simulate_command(best.row(0), preset_files=args.preset_files)
+        command = simulate_command(best.row(0), preset_files=args.preset_files, model_files=args.model_files)
         if command:
             what = "each device's peak, what bounds it, a trace of its pipeline"
             print(f"\nthe best one up close ({what}):\n  {command}")
@@ -953,12 +976,15 @@ def _report(table, args, written: list[str], how: str) -> None:
     print("\nresults: " + " and ".join(os.path.abspath(p) for p in written))
 
 
-def simulate_command(row: dict, trace: str = "best.json", preset_files: dict | None = None) -> str | None:
+def simulate_command(
+    row: dict, trace: str = "best.json", preset_files: dict | None = None, model_files: dict | None = None
+) -> str | None:
     """The ``distir-jax simulate`` command line of a results row (options at their
     defaults left out), printing its sensitivities and writing its trace to
     ``trace``; None for a model that is not a preset (no option names it).
     ``preset_files``: the calibration file of each calibrated preset (by name),
-    for ``--presets``."""
+    for ``--presets``; ``model_files``: the file of each model of a ``--models``
+    file (by name)."""
     from distir_jax.models import get_model_config, model_names
     from distir_jax.models.config import precisions_for
 
@@ -971,6 +997,8 @@ def simulate_command(row: dict, trace: str = "best.json", preset_files: dict | N
     words = ["distir-jax", "simulate"]
     calibrated = (preset_files or {}).get(row["hardware"].partition(":")[0])
     words += ["--presets", calibrated] if calibrated else []
+    custom = (model_files or {}).get(row["model"])
+    words += ["--models", custom] if custom else []
     for name, column in _SIMULATE_KNOBS:
         option = "--" + name.replace("_", "-")
         if isinstance(defaults[name], bool):  # a flag (its default: off)

@@ -20,9 +20,9 @@ DEFAULT_DIRECTORY = "results"
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-def add_calibrate_parser(sub, field_names, add_presets_option) -> None:
+def add_calibrate_parser(sub, field_names, add_file_options) -> None:
     """The ``calibrate`` subcommand's options (``field_names``: parses ``--fields``;
-    ``add_presets_option``: adds the commands' shared ``--presets``)."""
+    ``add_file_options``: adds the commands' shared ``--presets`` and ``--models``)."""
     from distir_jax.calibrate import CALIBRATABLE_FIELDS
     from search.calibration import MEASURED_COLUMN
 
@@ -39,7 +39,7 @@ def add_calibrate_parser(sub, field_names, add_presets_option) -> None:
         "sweep's results file cut to the strategies you ran, with that column added.",
     )
     c.add_argument("measurements", help="the measurements CSV file")
-    add_presets_option(c)  # the measured rows may name a calibrated preset
+    add_file_options(c)  # the measured rows may name a calibrated preset, or a model of a file
     c.add_argument("--name", required=True, help="the calibrated preset's name (no ':')")
     c.add_argument(
         "--output",

@@ -882,3 +882,44 @@ def test_merge_warns_when_the_parts_come_from_different_sweeps(tmp_path, capsys)
     capsys.readouterr()
     assert main(["merge", str(tmp_path / "joined.csv"), *parts]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_sweep_of_a_model_from_a_models_file(tmp_path, capsys, monkeypatch):
+    # A model of one's own sizes, by name: the rows are the Python API's for its
+    # config, and the simulate command the sweep prints names the file again.
+    from distir_jax.models import TransformerConfig, config
+    from search import StrategySpace, evaluate
+
+    monkeypatch.setattr(config, "_PRESETS", dict(config._PRESETS))  # forget it afterwards
+    fields = dict(num_layers=4, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
+    models = tmp_path / "models.json"
+    models.write_text(json.dumps({"tiny-gpt": dict(kind="gpt", **fields)}))
+    out = tmp_path / "sweep.csv"
+    argv = ["sweep", "--models", str(models), "--model", "tiny-gpt", "--world-sizes", "4", "--batch-sizes"]
+    argv += ["16", "--microbatches", "2,4", "--schedules", "1f1b", "--recompute", "none,full", "--zero"]
+    argv += ["no", "--overlap", "no", "--no-progress", "--output", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    table = ResultTable.read(out)
+    assert set(table["model"].tolist()) == {"tiny-gpt"} and (table["status"] == "ok").sum() > 10
+    space = StrategySpace(
+        model=TransformerConfig(**fields),
+        world_sizes=(4,),
+        global_batch_sizes=(16,),
+        microbatches=(2, 4),
+        schedules=("1f1b",),
+        recompute=("none", "full"),
+        zero=(False,),
+        overlap_grad_comm=(False,),
+        dtype="bf16",
+        optimizer="adam",
+    )
+    want = evaluate(space, progress=False)
+    for name in ("status", "step_time_s", "peak_memory_bytes", "mfu"):
+        assert table[name].tolist() == want[name].tolist(), name
+    command = text.split("the best one up close")[1].splitlines()[1].split()
+    assert command[2:6] == ["--models", str(models), "--model", "tiny-gpt"]
+    assert command[-3:] == ["--sensitivity", "--trace", "best.json"]
+    assert main(command[1:-3]) == 0  # simulate, without --sensitivity and the trace
+    best = table.top_k(1)
+    assert f"step time: {best['step_time_s'][0]:.6g} s" in capsys.readouterr().out

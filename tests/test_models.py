@@ -1,6 +1,7 @@
 """Model builders: gradients against finite differences, presets, annotation contract."""
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -405,3 +406,62 @@ def test_model_flops_are_megatrons_formula():
         assert model_flops_per_sample(name) == pytest.approx(want, rel=1e-12), name
     mlp = models.get_model_config("mlp-small")
     assert model_flops_per_sample(mlp) == 6 * mlp.num_layers * mlp.hidden**2 - 2 * mlp.hidden**2
+
+
+# --- models of the user's own sizes, by name ---------------------------------
+
+
+@pytest.fixture
+def model_registry(monkeypatch):
+    """Models registered by a test are forgotten after it."""
+    from distir_jax.models import config
+
+    monkeypatch.setattr(config, "_PRESETS", dict(config._PRESETS))
+
+
+def test_a_models_file_registers_its_models_by_name(tmp_path, model_registry):
+    path = tmp_path / "models.json"
+    gpt = dict(kind="gpt", num_layers=3, hidden=32, num_heads=4, vocab_size=64, seq_len=8, ffn_hidden=96)
+    path.write_text(json.dumps({"my-gpt": gpt, "my.mlp_2": {"kind": "mlp", "num_layers": 2, "hidden": 8}}))
+    assert models.load_models(path) == ["my-gpt", "my.mlp_2"]
+    fields = {k: v for k, v in gpt.items() if k != "kind"}
+    assert models.get_model_config("my-gpt") == TransformerConfig(**fields)
+    assert models.get_model_config("my.mlp_2") == MLPConfig(num_layers=2, hidden=8)
+    assert models.model_names()[-2:] == ("my-gpt", "my.mlp_2")
+    assert models.load_models(path) == ["my-gpt", "my.mlp_2"]  # again: the same models, no error
+
+
+@pytest.mark.parametrize(
+    "content, pattern",
+    [
+        ("{not json", r"models\.json: not JSON"),
+        ("[]", r"models\.json: expected an object of models by name"),
+        ('{"m": 3}', r"model 'm': expected an object of fields, got 3"),
+        ('{"m": {"kind": "rnn"}}', r"model 'm': 'kind' must be one of \['gpt', 'mlp'\], got 'rnn'"),
+        ('{"m": {"kind": "mlp", "hidden": 8}}', r"model 'm': .*missing 1 required .*'num_layers'"),
+        ('{"m": {"kind": "mlp", "num_layers": 2, "hidden": 8, "heads": 2}}', r"unknown field.* \['heads'\]"),
+        ('{"m": {"kind": "mlp", "num_layers": 0, "hidden": 8}}', r"model 'm': MLPConfig: num_layers"),
+        ('{"gpt2-small": {"kind": "mlp", "num_layers": 2, "hidden": 8}}', r"'gpt2-small' is a built-in"),
+        ('{"a,b": {"kind": "mlp", "num_layers": 2, "hidden": 8}}', r"model name='a,b': expected letters"),
+    ],
+)
+def test_a_bad_models_file_is_an_error_naming_the_file_and_model(tmp_path, model_registry, content, pattern):
+    path = tmp_path / "models.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=pattern):
+        models.load_models(path)
+    with pytest.raises(ValueError, match=r"nowhere\.json: cannot read the models file"):
+        models.load_models(tmp_path / "nowhere.json")
+
+
+def test_a_name_keeps_its_model(model_registry):
+    models.register_model("mine", MLPConfig(num_layers=2, hidden=8))
+    models.register_model("mine", MLPConfig(num_layers=2, hidden=8))
+    with pytest.raises(
+        ValueError, match=r"'mine' is already registered as MLPConfig\(num_layers=2, hidden=8,"
+    ):
+        models.register_model("mine", MLPConfig(num_layers=2, hidden=16))
+    with pytest.raises(ValueError, match=r"expected an MLPConfig or a TransformerConfig, got dict"):
+        models.register_model("other", {"num_layers": 2})
+    with pytest.raises(ValueError, match=r"unknown model name='yours'.*register_model"):
+        models.get_model_config("yours")

@@ -93,6 +93,7 @@ from distir_jax.models.contract import (
     weight_layer,
     weight_names,
 )
+from distir_jax.models.custom import load_models, register_model
 from distir_jax.models.flops import model_flops_per_sample
 from distir_jax.models.mlp import mlp_inference, mlp_loss, mlp_training_step
 from distir_jax.models.transformer import (
@@ -110,12 +111,14 @@ __all__ = [
     "check_contract",
     "get_model_config",
     "gradient_ops",
+    "load_models",
     "mlp_inference",
     "mlp_loss",
     "mlp_training_step",
     "model_flops_per_sample",
     "model_names",
     "optimizer_ops",
+    "register_model",
     "transformer_inference",
     "transformer_loss",
     "transformer_training_step",

@@ -209,7 +209,10 @@ def get_model_config(name: str, *, dtype: str | None = None) -> ModelConfig:
     try:
         config = _PRESETS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown model name={name!r}; valid names: {', '.join(_PRESETS)}") from None
+        raise ValueError(
+            f"unknown model name={name!r}; valid names: {', '.join(_PRESETS)} (a model of your own: "
+            "distir_jax.models.register_model, or a --models file on the command line)"
+        ) from None
     return config if dtype is None else dataclasses.replace(config, dtype=dtype)
 
 
