@@ -646,7 +646,8 @@ def _utilization(config: Config, step: float) -> dict:
     """``model_tflops_per_gpu`` and ``mfu`` of a row that ran ``step`` seconds
     (see :mod:`search.results`): the model's matmul FLOPs per step over the
     step time, per GPU and over the GPUs' peak FLOP/s."""
-    flops_per_s = model_flops_per_sample(config.model_config) * config.global_batch_size / step
+    flops = model_flops_per_sample(config.model_config) * config.global_batch_size
+    flops_per_s = flops / step if step > 0 else math.inf  # as the throughput
     peak = float(np.sum(config.topology().peak_flops))
     return {"model_tflops_per_gpu": flops_per_s / config.world_size / 1e12, "mfu": flops_per_s / peak}
 
