@@ -1,5 +1,6 @@
 """The ``distir-jax`` command: ``sweep`` a strategy space, ``simulate`` one configuration,
-``merge`` a sweep's parts, ``calibrate`` a hardware preset to measured step times.
+``merge`` a sweep's parts, ``calibrate`` a hardware preset to measured step times, list
+the ``models``.
 
     distir-jax sweep                      # GPT-3 XL on 16 A100s: which strategy should I run?
     distir-jax sweep --model mlp-small --world-sizes 4,8 --batch-sizes 256 --top-k 5
@@ -8,6 +9,7 @@
     distir-jax sweep --parts 4 --part 0   # one of 4 hosts or jobs; then:
     distir-jax merge results/sweep.csv results/sweep.part-*-of-4.csv
     distir-jax calibrate measured.csv --name my-a100   # a preset fitted to measured step times
+    distir-jax models --models my-models.json          # the models --model may name, and their sizes
     distir-jax sweep --presets results/my-a100.calibration.json --hardware my-a100
 
 Usage errors print one line and exit with status 2; a file that cannot be read or
@@ -27,6 +29,7 @@ import time
 from collections.abc import Sequence
 
 from distir_jax.cli_calibrate import add_calibrate_parser, run_calibrate
+from distir_jax.cli_models import add_models_parser, run_models
 
 # The built-in sweep: GPT-3 XL (1.3B) training on two DGX A100 nodes, every
 # degree, schedule, recomputation, ZeRO and gradient-overlap choice (~2,200
@@ -242,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="distir-jax", description="Simulate distributed training strategies with DistIR-JAX."
     )
-    commands = "{sweep,simulate,merge,calibrate}"
+    commands = "{sweep,simulate,merge,calibrate,models}"
     sub = parser.add_subparsers(dest="command", metavar=commands, parser_class=_Parser)
     sub.required = True
 
@@ -495,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     from distir_jax.calibrate import CALIBRATABLE_FIELDS
 
     add_calibrate_parser(sub, _some_of(CALIBRATABLE_FIELDS), _add_file_options)
+    add_models_parser(sub, _add_file_options)
     return parser
 
 
@@ -570,7 +574,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help (0) or a usage error (2): return it, as for the other outcomes
         return int(exit_.code or 0)
     args.preset_files = preset_files
-    commands = {"sweep": _sweep, "simulate": _simulate, "merge": _merge, "calibrate": run_calibrate}
+    commands = {
+        "sweep": _sweep,
+        "simulate": _simulate,
+        "merge": _merge,
+        "calibrate": run_calibrate,
+        "models": run_models,
+    }
     try:
         args.model_files = _load_model_files(args.models)
         _use_compilation_cache()

@@ -923,3 +923,21 @@ def test_a_sweep_of_a_model_from_a_models_file(tmp_path, capsys, monkeypatch):
     assert main(command[1:-3]) == 0  # simulate, without --sensitivity and the trace
     best = table.top_k(1)
     assert f"step time: {best['step_time_s'][0]:.6g} s" in capsys.readouterr().out
+
+
+def test_models_lists_every_model_with_its_sizes(tmp_path, capsys, monkeypatch):
+    from distir_jax.models import config, model_names
+
+    monkeypatch.setattr(config, "_PRESETS", dict(config._PRESETS))
+    models = tmp_path / "models.json"
+    models.write_text(json.dumps({"mine": {"kind": "mlp", "num_layers": 3, "hidden": 1000}}))
+    assert main(["models", "--models", str(models)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = "model kind layers hidden heads ffn vocab seq parameters FLOP/sample from"
+    assert lines[0].split() == header.split()
+    assert [line.split()[0] for line in lines[1:]] == list(model_names())
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    # GPT-3 175B: 175.2B parameters (untied head), 2.2 PFLOP a sample of 2048 tokens.
+    assert rows["gpt3-175b"] == "gpt 96 12288 96 49152 50304 2048 175.2B 2.2P built-in".split()
+    # 3 layers of 1000 x 1000: 3M parameters; 6 L H^2 - 2 H^2 = 16 MFLOP a sample.
+    assert rows["mine"] == ["mlp", "3", "1000", "-", "-", "-", "-", "3.0M", "16.0M", str(models)]
