@@ -858,7 +858,7 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     argv = ["calibrate", missing, "--name", "x", "--presets", str(bad)]
     assert "calibration file" in _one_line_error(capsys, 2, argv)
     assert main(["--help"]) == 0
-    assert "{sweep,simulate,merge,calibrate}" in capsys.readouterr().out
+    assert "{sweep,simulate,merge,calibrate,models}" in capsys.readouterr().out
 
 
 def test_merge_warns_when_the_parts_come_from_different_sweeps(tmp_path, capsys):
