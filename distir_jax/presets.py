@@ -95,6 +95,8 @@ class _GpuSpec:
     memory_capacity: float
     # dtype -> why the GPU cannot run it; for dtypes missing from peak_flops.
     unsupported: Mapping[str, str]
+    # What a calibration scaled the datasheet's peaks by (1: the datasheet's own).
+    peak_scale: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +371,7 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         model=f"{spec.gpu.model} ({name})",
         peak_flops={dtype: flops * s["peak_flops"] for dtype, flops in spec.gpu.peak_flops.items()},
         memory_bandwidth=spec.gpu.memory_bandwidth * s["memory_bandwidth"],
+        peak_scale=spec.gpu.peak_scale * s["peak_flops"],
     )
     networked = spec.inter_bandwidth is not None
     node = dataclasses.replace(
@@ -394,6 +397,17 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         return _build(name, _NODES[name].gpus_per_node * num_nodes, dtype)
 
     PRESETS[name] = constructor
+
+
+def datasheet_peak_flops(preset: str, dtype: str) -> float:
+    """One GPU's datasheet peak FLOP/s in ``dtype`` on ``preset`` (``"name"`` or
+    ``"name:N"``), before any calibration's factor: what model FLOPs utilization
+    is measured against (a calibrated peak is what runs reach)."""
+    name = preset.partition(":")[0]
+    if name not in _NODES:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(_NODES)}")
+    spec = _NODES[name]
+    return _peak_flops(name, spec.gpu, dtype) / spec.gpu.peak_scale
 
 
 def preset_names() -> list[str]:

@@ -107,6 +107,7 @@ from distir_jax.kernel import (
 )
 from distir_jax.lower import Capacity, lower
 from distir_jax.models import model_flops_per_sample
+from distir_jax.presets import datasheet_peak_flops
 from distir_jax.transforms.coarse_steady import extrapolate
 from search._fast import ENGINES, FastEngine, fast_unsupported
 from search._programs import (
@@ -121,7 +122,7 @@ from search._progress import progress_bar
 from search.manifest import write_manifest
 from search.results import STATUS_INVALID as INVALID
 from search.results import STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
-from search.space import Config, StrategySpace, _one_line, as_configs
+from search.space import HARDWARE_DTYPE, Config, StrategySpace, _one_line, as_configs
 
 CONFIG_AXIS = "configs"
 _BUILD_ERRORS = (ValueError, NotImplementedError)
@@ -645,10 +646,13 @@ def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: st
 def _utilization(config: Config, step: float) -> dict:
     """``model_tflops_per_gpu`` and ``mfu`` of a row that ran ``step`` seconds
     (see :mod:`search.results`): the model's matmul FLOPs per step over the
-    step time, per GPU and over the GPUs' peak FLOP/s."""
+    step time, per GPU and over the GPUs' datasheet peak FLOP/s (a calibrated
+    preset's too: MFU measures what runs reach against the datasheet)."""
     flops = model_flops_per_sample(config.model_config) * config.global_batch_size
     flops_per_s = flops / step if step > 0 else math.inf  # as the throughput
-    peak = float(np.sum(config.topology().peak_flops))
+    peak = config.world_size * datasheet_peak_flops(
+        config.preset, HARDWARE_DTYPE.get(config.dtype, config.dtype)
+    )
     return {"model_tflops_per_gpu": flops_per_s / config.world_size / 1e12, "mfu": flops_per_s / peak}
 
 

@@ -13,7 +13,8 @@ Columns (see :data:`COLUMNS` for types):
   (:func:`distir_jax.models.flops.model_flops_per_sample` times the batch: its
   forward and backward matmuls, not what recomputation adds) per second and
   GPU, in TFLOP/s; ``mfu``: model FLOPs utilization, the same over the GPUs'
-  peak FLOP/s in the row's dtype (0.45 is 45%).
+  datasheet peak FLOP/s in the row's dtype (0.45 is 45%; a calibrated
+  preset's datasheet peak is its base preset's, as a measured run's MFU is).
 * ``peak_memory_bytes`` / ``peak_memory_gb``: the largest per-device peak.
 * ``compute_time_s``, ``communication_time_s``, ``bubble_time_s``: the
   breakdown on the *busiest* device (the one with the most busy seconds,

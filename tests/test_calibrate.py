@@ -198,6 +198,17 @@ def test_sweeps_name_a_calibrated_preset(registry):
     assert ok.any() and np.array_equal(slow["status"], nominal["status"])
     assert np.all(slow["step_time_s"][ok] > nominal["step_time_s"][ok])
     assert set(slow["hardware"]) == {"a100-slow"}
+    # MFU is measured against the datasheet's peak, not the calibrated one: slower
+    # steps, the same model FLOPs, a lower utilization (a chain of calibrations too).
+    assert registry.datasheet_peak_flops("a100-slow:4", "bf16") == registry.datasheet_peak_flops(
+        "dgx-a100-80gb", "bf16"
+    )
+    dj.register_calibrated_preset("a100-slower", "a100-slow", {"peak_flops": 0.5})
+    assert registry.datasheet_peak_flops("a100-slower", "f32") == registry.datasheet_peak_flops(
+        "dgx-a100-80gb", "f32"
+    )
+    ratio = nominal["step_time_s"][ok] / slow["step_time_s"][ok]
+    np.testing.assert_allclose(slow["mfu"][ok], nominal["mfu"][ok] * ratio, rtol=1e-12)
 
 
 @pytest.mark.parametrize(
