@@ -120,8 +120,8 @@ from search._programs import (
 )
 from search._progress import progress_bar
 from search.manifest import write_manifest
+from search.results import DERIVED_COLUMNS, STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
 from search.results import STATUS_INVALID as INVALID
-from search.results import STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
 from search.space import HARDWARE_DTYPE, Config, StrategySpace, _one_line, as_configs
 
 CONFIG_AXIS = "configs"
@@ -237,7 +237,9 @@ def evaluate(
         configs = as_configs(space_or_configs)
         existing = None
         if resume and results_path and os.path.exists(results_path):
-            existing = ResultTable.read(results_path)
+            existing = ResultTable.read(
+                results_path, derive=functools.partial(_derived, configs, results_path)
+            )
         done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
         index, count = _process_slice(process_index, process_count)
         if not 0 <= index < count:
@@ -323,6 +325,26 @@ def _write_atomic(table: ResultTable, path) -> None:
     partial = f"{root}.partial{suffix}"
     table.write(partial)
     os.replace(partial, path)
+
+
+def _derived(configs: Sequence[Config], path, columns: dict) -> dict:
+    """The :data:`~search.results.DERIVED_COLUMNS` of a results file written
+    without them, from its rows' step times and this sweep's configurations."""
+    by_id = {c.config_id: c for c in configs}
+    unknown = next((cid for cid in columns["config_id"] if cid not in by_id), None)
+    if unknown is not None:
+        raise ValueError(
+            f"{path}: written by an older distir-jax, and its row {unknown} is not a configuration "
+            "of this sweep (its model FLOPs utilization cannot be filled in); sweep again without "
+            "resuming it"
+        )
+    rows = [
+        invalid_metrics() if status == INVALID else _utilization(by_id[cid], step)
+        for cid, status, step in zip(
+            columns["config_id"], columns["status"], columns["step_time_s"], strict=True
+        )
+    ]
+    return {name: [row[name] for row in rows] for name in DERIVED_COLUMNS}
 
 
 def _merge(configs: Sequence[Config], existing: ResultTable | None, rows: dict) -> ResultTable:

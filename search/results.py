@@ -100,6 +100,10 @@ METRICS = (
     "simulated_ops",
     "engine",
 )
+# Columns computed from the others and the configuration, added after files were
+# written without them: a sweep resumed from such a file fills them in
+# (:meth:`ResultTable.read`'s ``derive``).
+DERIVED_COLUMNS = ("model_tflops_per_gpu", "mfu")
 _NUMPY = {str: object, int: np.int64, float: np.float64, bool: np.bool_}
 
 
@@ -324,15 +328,29 @@ class ResultTable:
             self.to_csv(path)
 
     @classmethod
-    def read(cls, path) -> ResultTable:
+    def read(cls, path, derive=None) -> ResultTable:
         """Reads a table written by :meth:`to_csv` or :meth:`to_parquet` (by suffix).
+
+        ``derive``: for a file written before :data:`DERIVED_COLUMNS` were, a
+        function from the file's columns to those it lacks (a resumed sweep's);
+        without it such a file is an error.
 
         Raises:
           ValueError: naming the file, line and column of a value that does not
             parse, or of an ok row whose step time or throughput is not a
-            positive finite number (a sweep writes none: the file was changed).
+            positive finite number (a sweep writes none: the file was changed);
+            or the columns a file lacks.
         """
-        table = cls(cls.read_columns(path, COLUMNS))
+        columns = cls.read_columns(path, COLUMNS)
+        missing = [c for c in COLUMNS if c not in columns]
+        if missing and derive is None:
+            raise ValueError(
+                f"{path}: not a results table of this version (missing {missing}; written by an "
+                "older distir-jax? sweep again, or resume the sweep: it fills them in)"
+            )
+        if missing:
+            columns.update(derive(columns))
+        table = cls(columns)
         ok = table["status"] == STATUS_OK
         for column in ("step_time_s", "throughput_samples_per_s"):
             values = table[column]
@@ -347,20 +365,24 @@ class ResultTable:
     @staticmethod
     def read_columns(path, names: Iterable[str]) -> dict[str, list]:
         """Columns ``names`` of a results file (:meth:`read`'s values): a resumed
-        sweep's ids cost a fraction of reading its file whole."""
-        names = list(names)
+        sweep's ids cost a fraction of reading its file whole. A file written
+        before :data:`DERIVED_COLUMNS` were has none of them: those are left out."""
         if str(path).endswith(".parquet"):
             try:
                 import pyarrow.parquet as pq
             except ImportError:
                 raise ImportError("reading Parquet needs pyarrow; use a .csv results file") from None
+            present = set(pq.read_schema(path).names)
+            names = [n for n in names if n in present or n not in DERIVED_COLUMNS]
             table = pq.read_table(path, columns=names)
             return {n: table.column(n).to_pylist() for n in names}
         with open(path, newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            if header is None or [h for h in header if h in COLUMNS] != list(COLUMNS):
-                missing = [c for c in COLUMNS if c not in (header or ())]
+            expected = [c for c in COLUMNS if c in (header or ()) or c not in DERIVED_COLUMNS]
+            names = [n for n in names if n in expected or n not in DERIVED_COLUMNS]
+            if header is None or [h for h in header if h in COLUMNS] != expected:
+                missing = [c for c in expected if c not in (header or ())]
                 older = " (written by an older distir-jax? sweep again without resuming it)" if header else ""
                 raise ValueError(
                     f"{path}: not a results table (expected columns {list(COLUMNS)}"

@@ -228,6 +228,38 @@ def test_interrupted_and_resumed_sweep_equals_one_run(tmp_path, swept):
     _assert_same_numbers(ResultTable.read(once), table.take(np.arange(60)))  # fast engine vs exact
 
 
+def _without_derived_columns(src, dst) -> None:
+    """``src``'s results as a distir-jax without the derived columns wrote them."""
+    import csv
+
+    from search.results import DERIVED_COLUMNS
+
+    with open(src, newline="") as f:
+        lines = list(csv.reader(f))
+    keep = [i for i, name in enumerate(lines[0]) if name not in DERIVED_COLUMNS]
+    with open(dst, "w", newline="") as f:
+        csv.writer(f).writerows([line[i] for i in keep] for line in lines)
+
+
+def test_a_sweep_resumes_a_file_written_before_the_utilization_columns(tmp_path, swept):
+    configs, _ = swept
+    subset = configs[:24] + [c for c in configs if not c.valid][:6]  # simulated rows and invalid ones
+    once = tmp_path / "once.csv"
+    evaluate(subset, results_path=once, progress=False)
+    old = tmp_path / "old.csv"
+    evaluate(subset[::2], results_path=tmp_path / "half.csv", progress=False)
+    _without_derived_columns(tmp_path / "half.csv", old)
+    with pytest.raises(ValueError, match=r"missing \['model_tflops_per_gpu', 'mfu'\].*resume the sweep"):
+        ResultTable.read(old)
+    assert set(ResultTable.read_columns(old, ["config_id", "mfu"])) == {"config_id"}
+    evaluate(subset, results_path=old, progress=False)  # fills them in, then sweeps the rest
+    assert ResultTable.read(old) == ResultTable.read(once)
+    # Rows of configurations the resumed sweep does not have: their MFU cannot be filled in.
+    _without_derived_columns(tmp_path / "half.csv", old)
+    with pytest.raises(ValueError, match=r"old\.csv: written by an older distir-jax, and its row \w+ is not"):
+        evaluate(subset[1::2], results_path=old, progress=False)
+
+
 def test_process_slices_partition_the_sweep(swept):
     configs, table = swept
     subset = configs[:40]
