@@ -24,17 +24,18 @@ def add_models_parser(sub, add_file_options) -> None:
 
 
 def run_models(args) -> int:
-    from distir_jax.models import get_model_config, model_flops_per_sample, model_names
+    from distir_jax.models import TransformerConfig, get_model_config, model_flops_per_sample, model_names
+    from distir_jax.models.custom import MODEL_KINDS
 
     rows = [_HEADER]
     for name in model_names():
         config = get_model_config(name)
-        gpt = hasattr(config, "num_heads")
+        kind = next(k for k, cls in MODEL_KINDS.items() if isinstance(config, cls))  # a models file's
         sizes = ("-",) * 4
-        if gpt:
+        if isinstance(config, TransformerConfig):
             sizes = (config.num_heads, config.ffn_hidden, config.vocab_size, config.seq_len)
         rows.append(
-            (name, "gpt" if gpt else "mlp", config.num_layers, config.hidden)
+            (name, kind, config.num_layers, config.hidden)
             + sizes
             + (_scaled(config.num_parameters(), _PARAMETERS), _scaled(model_flops_per_sample(config), _FLOPS))
             + (args.model_files.get(name, "built-in"),)

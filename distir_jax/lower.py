@@ -21,7 +21,7 @@ import numpy as np
 from distir_jax.cost import COST_FEATURES
 from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function
-from distir_jax.ir.registry import cached_features, check_alias_fits, get_spec, output_aliases
+from distir_jax.ir.registry import check_alias_fits, get_spec, op_features, output_aliases
 from distir_jax.ir.topology import Topology
 from distir_jax.ir.typecheck import infer_types
 
@@ -181,8 +181,7 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
     for i, op in enumerate(fn.ops):
         stream = op_streams[i]
         resources.append([d * streams + stream for d in op_devices[i]])
-        spec = get_spec(op.op_type)
-        f = cached_features(spec, op, tuple([v.type for v in op.inputs]), tuple([v.type for v in op.outputs]))
+        f = op_features(op)
         is_comm.append(f.is_comm)
         values = f.cost_features()
         for column, name in zip(columns, COST_FEATURES):

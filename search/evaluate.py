@@ -633,7 +633,8 @@ class _Batcher:
 
 def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: str) -> dict:
     """A result row from the kernel's outputs for one configuration."""
-    peak = prepared.peak_bytes[variant if prepared.num_variants > 1 else 0]
+    variant = variant if prepared.num_variants > 1 else 0
+    peak = prepared.peak_bytes[variant]
     capacity = np.asarray(prepared.hardware.memory_capacity, np.float64)
     step = float(out["step_time"])
     metrics = {
@@ -654,7 +655,7 @@ def _row(config: Config, prepared: Prepared, variant: int, out: dict, engine: st
     over = peak > capacity
     if over.any():
         d = int(np.argmax(peak - capacity))
-        resident = float(prepared.resident_bytes(variant if prepared.num_variants > 1 else 0)[d])
+        resident = float(prepared.resident_bytes(variant)[d])
         reason = (
             f"peak {peak[d] / 1e9:.2f} GB on device {int(prepared.devices[d])} exceeds its "
             f"{capacity[d] / 1e9:.2f} GB: {resident / 1e9:.2f} GB resident (weights, optimizer state, "

@@ -372,15 +372,13 @@ class ResultTable:
                 import pyarrow.parquet as pq
             except ImportError:
                 raise ImportError("reading Parquet needs pyarrow; use a .csv results file") from None
-            present = set(pq.read_schema(path).names)
-            names = [n for n in names if n in present or n not in DERIVED_COLUMNS]
+            names = _present(names, pq.read_schema(path).names)
             table = pq.read_table(path, columns=names)
             return {n: table.column(n).to_pylist() for n in names}
         with open(path, newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            expected = [c for c in COLUMNS if c in (header or ()) or c not in DERIVED_COLUMNS]
-            names = [n for n in names if n in expected or n not in DERIVED_COLUMNS]
+            expected, names = _present(COLUMNS, header or ()), _present(names, header or ())
             if header is None or [h for h in header if h in COLUMNS] != expected:
                 missing = [c for c in expected if c not in (header or ())]
                 older = " (written by an older distir-jax? sweep again without resuming it)" if header else ""
@@ -490,6 +488,12 @@ DISPLAY_NAMES = {
     "overlap_grad_comm": "overlap",
     "sequence_parallel": "seq par",
 }
+
+
+def _present(names: Iterable[str], in_file: Iterable[str]) -> list[str]:
+    """``names`` but the :data:`DERIVED_COLUMNS` a file (its columns ``in_file``) lacks."""
+    in_file = set(in_file)
+    return [n for n in names if n in in_file or n not in DERIVED_COLUMNS]
 
 
 def _check_columns(argument: str, names: Sequence) -> None:

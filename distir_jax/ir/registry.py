@@ -241,6 +241,13 @@ def cached_features(
     return features
 
 
+def op_features(op) -> OpFeatures:
+    """The cost features of ``op`` (an :class:`~distir_jax.ir.function.Op`) from its
+    own values' types, computed once per distinct op (:func:`cached_features`)."""
+    ins, outs = tuple([v.type for v in op.inputs]), tuple([v.type for v in op.outputs])
+    return cached_features(get_spec(op.op_type), op, ins, outs)
+
+
 def attrs_cache_key(attrs: tuple) -> tuple | None:
     """Frozen attributes without annotations, each with the exact types of its value.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from distir_jax.ir.registry import cached_features, get_spec
+from distir_jax.ir.registry import op_features
 
 __all__ = ["model_flops_per_sample"]
 
@@ -55,6 +55,5 @@ def _matmul_flops(config) -> float:
     total = 0.0
     for op in build_training_step(config, 1).ops:
         if op.op_type == "MatMul" and op.attr("phase") != "opt":
-            ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
-            total += float(cached_features(get_spec("MatMul"), op, ins, outs).flops)
+            total += float(op_features(op).flops)
     return total

@@ -40,7 +40,7 @@ import numpy as np
 
 from distir_jax.ir._gc import gc_paused
 from distir_jax.ir.function import Function, Op, Value
-from distir_jax.ir.registry import cached_features, get_spec
+from distir_jax.ir.registry import op_features
 from distir_jax.ir.typecheck import infer_op_types, infer_types
 from distir_jax.ir.types import TensorType, dim_divides, dim_str
 from distir_jax.models.contract import grad_of
@@ -239,8 +239,7 @@ def _check_batch(fn: Function, data: set[str], k: int) -> None:
 
 
 def _op_flops(op: Op) -> float:
-    spec = get_spec(op.op_type)
-    f = cached_features(spec, op, tuple(x.type for x in op.inputs), tuple(x.type for x in op.outputs))
+    f = op_features(op)
     # Size variants: balance for their mean.
     return float(np.mean(np.asarray(f.flops, dtype=np.float64)))
 
