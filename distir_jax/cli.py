@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="keep the rows already in --output and simulate only the missing configurations "
-        "(a running sweep checkpoints there every minute, so an interrupted one can resume)",
+        "(a running sweep checkpoints there every minute, so an interrupted one can resume; "
+        "rows computed when a model or hardware name meant other sizes are an error, not kept)",
     )
     s.add_argument(
         "--parts",
@@ -748,6 +749,7 @@ def _merge(args) -> int:
         if not os.path.isfile(path):
             raise ValueError(f"no results file {path!r}")
         tables.append(ResultTable.read(path))
+    _check_same_definitions(args.inputs)
     for path in _copy_paths(args.output):
         _check_writable(path, "the merged file")
     table = _without_repeats(ResultTable.concat(tables), args.inputs, tables)
@@ -766,6 +768,26 @@ def _merge(args) -> int:
     how = f" from {len(tables)} files" + (" (incomplete: see the warnings)" if gaps else "")
     _report(table, args, _write_copies(table, args.output), how)
     return 0
+
+
+def _check_same_definitions(paths: Sequence[str]) -> None:
+    """Raises when two files' manifests record different definitions under one
+    model or hardware name (a model file or calibration changed between parts)."""
+    from search.manifest import changed_inputs, recorded_inputs
+
+    seen: list[tuple[str, dict]] = []
+    for path in paths:
+        inputs = recorded_inputs(path)
+        if inputs is None:
+            continue
+        for earlier, before in seen:
+            changed = changed_inputs(before, inputs)
+            if changed:
+                raise ValueError(
+                    f"{earlier} and {path} were computed with different definitions: "
+                    f"{'; '.join(changed)}; merging them would mix the two"
+                )
+        seen.append((str(path), inputs))
 
 
 def _without_repeats(table, paths: Sequence[str], tables: Sequence):

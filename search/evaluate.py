@@ -119,7 +119,7 @@ from search._programs import (
     stack_periods,
 )
 from search._progress import progress_bar
-from search.manifest import write_manifest
+from search.manifest import changed_inputs, merged_inputs, recorded_inputs, sweep_inputs, write_manifest
 from search.results import DERIVED_COLUMNS, STATUS_OK, STATUS_OOM, ResultTable, invalid_metrics
 from search.results import STATUS_INVALID as INVALID
 from search.space import HARDWARE_DTYPE, Config, StrategySpace, _one_line, as_configs
@@ -240,6 +240,17 @@ def evaluate(
             existing = ResultTable.read(
                 results_path, derive=functools.partial(_derived, configs, results_path)
             )
+        inputs = sweep_inputs(configs)
+        if existing is not None:  # its rows must come from this sweep's definitions
+            recorded = recorded_inputs(results_path)
+            changed = changed_inputs(recorded, inputs)
+            if changed:
+                raise ValueError(
+                    f"{results_path} holds rows computed with other definitions than this sweep's: "
+                    f"{'; '.join(changed)}. Resuming would mix the two: sweep afresh (resume=False; "
+                    "the CLI without --resume) or give another results file"
+                )
+            inputs = merged_inputs(recorded, inputs)
         done_ids = set(existing["config_id"].tolist()) if existing is not None else set()
         index, count = _process_slice(process_index, process_count)
         if not 0 <= index < count:
@@ -248,13 +259,13 @@ def evaluate(
         # a fresh sweep's (resume=False) comes with its first rows, not over the
         # manifest of a file it has not replaced yet.
         if results_path and resume:
-            write_manifest(results_path, configs, index, count)
+            write_manifest(results_path, configs, index, count, inputs)
         manifest_due = bool(results_path) and not resume
 
         def write(table):
             nonlocal manifest_due
             if manifest_due:
-                write_manifest(results_path, configs, index, count)
+                write_manifest(results_path, configs, index, count, inputs)
                 manifest_due = False
             _write_atomic(table, results_path)
 

@@ -8,16 +8,37 @@ the manifest ``results/sweep.part-2-of-4.manifest.json``: the sweep's size,
 this file's slice of it, and the ids of the configurations that slice holds.
 ``distir-jax merge`` checks each file it joins against its manifest
 (:func:`manifest_gap`).
+
+A configuration's id names its model and hardware, not what they were when
+its row was computed: a model of one's own (``--models``) or a calibrated
+preset (``--presets``) may be redefined under the same name. So the manifest
+also records the definitions its rows were computed with (:func:`sweep_inputs`:
+each model's sizes, a digest of each hardware's devices and links), and a
+resumed sweep, or a merge, whose definitions differ is an error that names
+what changed (:func:`changed_inputs`) rather than a table mixing both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from collections.abc import Sequence
 
-__all__ = ["RESUME_ADVICE", "manifest_gap", "manifest_path", "manifest_sweep", "write_manifest"]
+import numpy as np
+
+__all__ = [
+    "RESUME_ADVICE",
+    "changed_inputs",
+    "manifest_gap",
+    "manifest_path",
+    "manifest_sweep",
+    "merged_inputs",
+    "recorded_inputs",
+    "sweep_inputs",
+    "write_manifest",
+]
 
 # What a warning about a results file cut short tells its reader to do.
 RESUME_ADVICE = "finish it with its `distir-jax sweep` options and --resume"
@@ -29,9 +50,12 @@ def manifest_path(results_path: str | os.PathLike) -> str:
     return os.path.splitext(os.fspath(results_path))[0] + ".manifest.json"
 
 
-def write_manifest(results_path: str | os.PathLike, configs: Sequence, index: int, count: int) -> None:
+def write_manifest(
+    results_path: str | os.PathLike, configs: Sequence, index: int, count: int, inputs: dict | None = None
+) -> None:
     """Records that ``results_path`` is to hold slice ``index`` of ``count`` of
-    ``configs`` (``configs[index::count]``, as :func:`~search.evaluate` takes it)."""
+    ``configs`` (``configs[index::count]``, as :func:`~search.evaluate` takes it),
+    computed with ``inputs`` (default: :func:`sweep_inputs` of ``configs``)."""
     manifest = {
         # Which sweep the slice is of (every part's manifest names the same one), so
         # merge can tell parts of two sweeps, of one size, apart.
@@ -40,6 +64,7 @@ def write_manifest(results_path: str | os.PathLike, configs: Sequence, index: in
         "part": index,
         "parts": count,
         "config_ids": [c.config_id for c in configs[index::count]],
+        "inputs": sweep_inputs(configs) if inputs is None else inputs,
     }
     path = manifest_path(results_path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # as the results file's own writer does
@@ -83,3 +108,93 @@ def manifest_sweep(results_path: str | os.PathLike) -> str | None:
         return str(manifest.get("sweep") or f"{int(manifest['configurations'])} configurations")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def sweep_inputs(configs: Sequence) -> dict:
+    """The definitions behind ``configs``' names, as a manifest records them:
+    ``{"models": {name: sizes}, "hardware": {"preset (dtype)": digest}}``.
+
+    A model is recorded by the fields of its definition (so an error can say
+    which changed), a hardware by a digest of its devices' speeds and memory
+    and of its links in the rows' dtype (its preset and calibration decide
+    them). Names that do not resolve (rows invalid for that reason) are left out."""
+    from distir_jax.models import get_model_config
+    from search.space import HARDWARE_DTYPE
+
+    models, hardware = {}, {}
+    for name in sorted({c.model for c in configs}):
+        try:
+            config = get_model_config(name)
+        except ValueError:  # a model given by its fields, not a name: its label says all
+            continue
+        models[name] = _json({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    # One configuration per (preset, dtype): its topology is theirs (cached).
+    each = {(c.preset, HARDWARE_DTYPE.get(c.dtype, c.dtype)): c for c in configs}
+    for (preset, dtype), config in sorted(each.items(), key=lambda item: item[0]):
+        try:
+            topology = config.topology()
+        except ValueError:
+            continue
+        hardware[f"{preset} ({dtype})"] = _topology_digest(topology)
+    return {"models": models, "hardware": hardware}
+
+
+def _json(value):
+    """``value`` as JSON gives it back (tuples as lists), so recorded and current compare equal."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _topology_digest(topology) -> str:
+    """16 hex digits of SHA-1 over every figure of a topology (not its name)."""
+    digest = hashlib.sha1()
+    for field in dataclasses.fields(topology):
+        if field.name != "name":
+            digest.update(np.ascontiguousarray(getattr(topology, field.name), np.float64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def recorded_inputs(results_path: str | os.PathLike) -> dict | None:
+    """What a results file's manifest says its rows were computed with
+    (:func:`sweep_inputs`), or None: no manifest, one that does not read, or one
+    written before manifests recorded it."""
+    try:
+        with open(manifest_path(results_path)) as f:
+            inputs = json.load(f)["inputs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (
+        isinstance(inputs, dict) and all(isinstance(inputs.get(k), dict) for k in ("models", "hardware"))
+    ):
+        return None
+    return inputs
+
+
+def changed_inputs(recorded: dict | None, current: dict) -> list[str]:
+    """What ``current`` defines differently from ``recorded`` under the same
+    names (both as :func:`sweep_inputs` gives them), one phrase per model or
+    hardware, e.g. ``"model 'my-gpt' (hidden 4096 -> 5120)"``; names only one
+    of them has are not compared."""
+    if recorded is None:
+        return []
+    out = []
+    for name, now in current["models"].items():
+        then = recorded["models"].get(name)
+        if then is not None and then != now:
+            fields = sorted(set(then) | set(now))
+            diff = ", ".join(
+                f"{f} {then.get(f)} -> {now.get(f)}" for f in fields if then.get(f) != now.get(f)
+            )
+            out.append(f"model {name!r} ({diff})")
+    for name, now in current["hardware"].items():
+        then = recorded["hardware"].get(name)
+        if then is not None and then != now:
+            out.append(f"hardware {name} (other device or link figures: a recalibrated preset?)")
+    return out
+
+
+def merged_inputs(recorded: dict | None, current: dict) -> dict:
+    """``current`` plus what ``recorded`` defines that it does not (the rows of a
+    resumed file's other models and hardware stay in it)."""
+    if recorded is None:
+        return current
+    return {kind: {**recorded[kind], **current[kind]} for kind in ("models", "hardware")}

@@ -884,6 +884,32 @@ def test_merge_warns_when_the_parts_come_from_different_sweeps(tmp_path, capsys)
     assert capsys.readouterr().err == ""
 
 
+def test_parts_of_a_model_redefined_between_them_do_not_merge(tmp_path, capsys, monkeypatch):
+    # Each part ran with a --models file defining "tiny-gpt", edited in between:
+    # the configuration ids match, the sizes do not; the error names the change.
+    from distir_jax.models import config
+
+    monkeypatch.setattr(config, "_PRESETS", dict(config._PRESETS))
+    fields = dict(kind="gpt", num_layers=4, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
+    argv = ["sweep", "--model", "tiny-gpt", "--world-sizes", "2", "--batch-sizes", "8", "--microbatches"]
+    argv += ["2", "--schedules", "1f1b", "--no-progress", "--parts", "2", "--output", str(tmp_path / "s.csv")]
+    for part, hidden in ((0, 64), (1, 128)):
+        models = tmp_path / f"models-{part}.json"
+        models.write_text(json.dumps({"tiny-gpt": dict(fields, hidden=hidden)}))
+        monkeypatch.setattr(config, "_PRESETS", dict(config._PRESETS))
+        config._PRESETS.pop("tiny-gpt", None)  # a new process, as each part would be
+        assert main(argv + ["--part", str(part), "--models", str(models)]) == 0
+    capsys.readouterr()
+    parts = [str(tmp_path / f"s.part-{i}-of-2.csv") for i in range(2)]
+    assert main(["merge", str(tmp_path / "joined.csv"), *parts]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"distir-jax merge: error: {parts[0]} and {parts[1]} were computed with different definitions: "
+        "model 'tiny-gpt' (ffn_hidden 256 -> 512, hidden 64 -> 128); merging them would mix the two\n"
+    )
+    assert not (tmp_path / "joined.csv").exists()
+
+
 def test_a_sweep_of_a_model_from_a_models_file(tmp_path, capsys, monkeypatch):
     # A model of one's own sizes, by name: the rows are the Python API's for its
     # config, and the simulate command the sweep prints names the file again.

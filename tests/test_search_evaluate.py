@@ -1,5 +1,6 @@
 """Batched sweeps against the reference simulator; sharding, resuming and compile reuse."""
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -283,6 +284,9 @@ def test_a_results_file_has_a_manifest_of_its_slice(swept, tmp_path):
     assert manifest_path(path) == str(tmp_path / "new" / "part1.manifest.json")
     # The sweep's id (every part's manifest names the same one: see search.manifest).
     assert manifest.pop("sweep") == manifest_sweep(path) and len(manifest_sweep(path)) == 16
+    inputs = manifest.pop("inputs")  # the definitions behind the names (the next test)
+    assert set(inputs["models"]) == {"mlp-xs"} and inputs["models"]["mlp-xs"]["hidden"] == 512
+    assert list(inputs["hardware"]) == ["dgx-a100-80gb:1 (f32)", "dgx-a100-80gb:2 (f32)"]
     assert manifest == {
         "configurations": 20,
         "part": 1,
@@ -293,6 +297,53 @@ def test_a_results_file_has_a_manifest_of_its_slice(swept, tmp_path):
     checked, warning = manifest_gap(path, table.take(range(len(table) - 2)))
     assert checked and warning.startswith(f"{path} lacks 2 of the 7 configurations its sweep assigned it")
     assert manifest_gap(tmp_path / "elsewhere.csv", table) == (False, "")
+
+
+def test_a_sweep_resumed_after_its_model_or_hardware_was_redefined_is_an_error(tmp_path, monkeypatch):
+    """A config id names a model and a hardware, not their sizes: the manifest's
+    recorded definitions tell a redefined one (a --models file or calibration
+    edited between runs) from the one the rows were computed with."""
+    from distir_jax.models import config
+    from search.manifest import manifest_path
+
+    monkeypatch.setattr(config, "_PRESETS", dict(config._PRESETS))  # forget it afterwards
+    config._PRESETS["tiny-x"] = TINY_GPT
+    space = dict(world_sizes=(2,), global_batch_sizes=(8,), microbatches=(2,), schedules=("1f1b",))
+    tiny = list(enumerate_configs(StrategySpace(model="tiny-x", **space)))
+    mlp = list(enumerate_configs(StrategySpace(model="mlp-xs", **space)))
+    path = tmp_path / "sweep.csv"
+    evaluate(tiny[:2], results_path=path, progress=False)
+    first = ResultTable.read(path)
+    config._PRESETS["tiny-x"] = dataclasses.replace(TINY_GPT, hidden=128, ffn_hidden=512)
+    with pytest.raises(
+        ValueError,
+        match=r"sweep\.csv holds rows computed with other definitions than this "
+        r"sweep's: model 'tiny-x' \(ffn_hidden 256 -> 512, hidden 64 -> 128\)\. Resuming",
+    ):
+        evaluate(tiny, results_path=path, progress=False)
+    assert ResultTable.read(path) == first  # untouched
+    fresh = evaluate(tiny, results_path=path, progress=False, resume=False)  # afresh: recorded anew
+    assert evaluate(tiny, results_path=path, progress=False) == fresh
+    # Rows of another model join the file; the first model's definition stays recorded.
+    evaluate(mlp, results_path=path, progress=False)
+    manifest = json.loads(pathlib.Path(manifest_path(path)).read_text())
+    assert (
+        manifest["inputs"]["models"]["tiny-x"]["hidden"] == 128 and "mlp-xs" in manifest["inputs"]["models"]
+    )
+    config._PRESETS["tiny-x"] = TINY_GPT
+    with pytest.raises(ValueError, match=r"model 'tiny-x' \(ffn_hidden 512 -> 256, hidden 128 -> 64\)"):
+        evaluate(mlp + tiny, results_path=path, progress=False)
+    # Hardware: a digest of its figures (a recalibrated preset keeps its name).
+    manifest["inputs"]["models"]["tiny-x"] = json.loads(json.dumps(dataclasses.asdict(TINY_GPT)))
+    (hardware,) = manifest["inputs"]["hardware"]
+    manifest["inputs"]["hardware"][hardware] = "0" * 16
+    pathlib.Path(manifest_path(path)).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=rf"hardware {re.escape(hardware)} \(other device or link figures"):
+        evaluate(mlp, results_path=path, progress=False)
+    # A manifest from before they were recorded: nothing to check against.
+    del manifest["inputs"]
+    pathlib.Path(manifest_path(path)).write_text(json.dumps(manifest))
+    assert len(evaluate(mlp, results_path=path, progress=False)) == len(fresh) + len(mlp)
 
 
 def test_a_process_resumed_from_its_own_file_finishes_its_own_slice(swept, tmp_path):
