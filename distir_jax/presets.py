@@ -21,6 +21,8 @@ Preset names (`get_preset`):
 * ``"v100-pcie-4"``: one server with 4 V100-16GB PCIe GPUs.
 * ``"dgx-a100-80gb"``: DGX A100 80GB nodes of 8 GPUs (``num_nodes=`` for more).
 * ``"dgx-h100"``: DGX H100 nodes of 8 GPUs (``num_nodes=`` for more).
+* ``"dgx-h200"``: DGX H200 nodes of 8 GPUs (``num_nodes=`` for more).
+* ``"dgx-b200"``: DGX B200 nodes of 8 GPUs (``num_nodes=`` for more).
 * a name given to :func:`register_calibrated_preset`: a preset above with
   its figures scaled by a calibration (:func:`distir_jax.calibrate.calibrate`).
 * ``"<preset>:<N>"``: ``N`` GPUs of that preset, e.g. ``"dgx-a100-80gb:16"``
@@ -61,9 +63,12 @@ NVLINK3_BANDWIDTH = 300e9
 # Fourth-generation NVLink on H100 SXM: 18 links x 25 GB/s = 450 GB/s each way
 # (H100 datasheet: "NVLink 900 GB/s", bidirectional).
 NVLINK4_BANDWIDTH = 450e9
+# Fifth-generation NVLink on B200: 18 links x 50 GB/s each way = 900 GB/s
+# (HGX / DGX B200: "NVLink 1.8 TB/s" per GPU, bidirectional).
+NVLINK5_BANDWIDTH = 900e9
 # One HDR InfiniBand port per GPU on DGX A100 (ConnectX-6, 200 Gb/s).
 HDR_IB_BANDWIDTH = 200e9 / 8
-# One NDR InfiniBand port per GPU on DGX H100 (ConnectX-7, 400 Gb/s).
+# One NDR InfiniBand port per GPU on DGX H100, H200 and B200 (ConnectX-7, 400 Gb/s).
 NDR_IB_BANDWIDTH = 400e9 / 8
 
 # Self-links never carry traffic, but `Topology` wants positive bandwidths and
@@ -152,6 +157,25 @@ _H100_SXM_80GB = _GpuSpec(
     unsupported={},
 )
 
+# NVIDIA H200 Tensor Core GPU datasheet (2024), "H200 SXM" column: the H100
+# SXM's compute (same GH100 die and clocks: the datasheet's FP32 67 and sparse
+# TF32 989 / FP16 and BF16 1,979 TFLOPS are the H100 SXM's), with 141 GB of
+# HBM3e at 4.8 TB/s.
+_H200_SXM_141GB = dataclasses.replace(
+    _H100_SXM_80GB, model="H200", memory_bandwidth=4.8e12, memory_capacity=141e9
+)
+
+# NVIDIA HGX B200 specifications (per GPU, 1,000 W): FP32 75 TFLOPS, TF32
+# Tensor 2.2 PFLOPS and FP16 / BF16 Tensor 4.5 PFLOPS *with sparsity*, halved
+# here (1.1 and 2.25 PFLOPS dense), 180 GB HBM3e at 7.7 TB/s.
+_B200_180GB = _GpuSpec(
+    model="B200",
+    peak_flops={"f32": 75e12, "tf32": 1.1e15, "f16": 2.25e15, "bf16": 2.25e15},
+    memory_bandwidth=7.7e12,
+    memory_capacity=180e9,
+    unsupported={},
+)
+
 _NODES: dict[str, _NodeSpec] = {
     # A 4-GPU PCIe server: each GPU on its own PCIe 3.0 x16 slot. Peer traffic
     # is assumed to reach the full x16 rate for every pair (a PCIe switch).
@@ -180,6 +204,26 @@ _NODES: dict[str, _NodeSpec] = {
         gpu=_H100_SXM_80GB,
         gpus_per_node=8,
         intra_bandwidth=NVLINK4_BANDWIDTH,
+        intra_latency=NVLINK_LATENCY,
+        inter_bandwidth=NDR_IB_BANDWIDTH,
+        inter_latency=INFINIBAND_LATENCY,
+    ),
+    # NVIDIA DGX H200 datasheet: a DGX H100 with H200 GPUs (4 NVSwitches, 900
+    # GB/s NVLink per GPU both ways, 8 ConnectX-7 400 Gb/s NICs for the compute fabric).
+    "dgx-h200": _NodeSpec(
+        gpu=_H200_SXM_141GB,
+        gpus_per_node=8,
+        intra_bandwidth=NVLINK4_BANDWIDTH,
+        intra_latency=NVLINK_LATENCY,
+        inter_bandwidth=NDR_IB_BANDWIDTH,
+        inter_latency=INFINIBAND_LATENCY,
+    ),
+    # NVIDIA DGX B200 datasheet: 8 B200 GPUs, 2 NVSwitches (1.8 TB/s NVLink per
+    # GPU both ways), 8 single-port ConnectX-7 400 Gb/s NICs for the compute fabric.
+    "dgx-b200": _NodeSpec(
+        gpu=_B200_180GB,
+        gpus_per_node=8,
+        intra_bandwidth=NVLINK5_BANDWIDTH,
         intra_latency=NVLINK_LATENCY,
         inter_bandwidth=NDR_IB_BANDWIDTH,
         inter_latency=INFINIBAND_LATENCY,
@@ -287,6 +331,49 @@ def dgx_h100(num_nodes: int = 1, dtype: str = "bf16") -> Topology:
     return _build("dgx-h100", 8 * num_nodes, dtype)
 
 
+def dgx_h200(num_nodes: int = 1, dtype: str = "bf16") -> Topology:
+    """DGX H200 nodes of 8 H200 SXM 141GB GPUs: a DGX H100 with more, faster memory.
+
+    Figures (NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM"; NVIDIA DGX
+    H200 datasheet): the H100 SXM's dense 66.9 / 494.7 / 989.4 / 989.4 TFLOPS
+    for f32 / tf32 / f16 / bf16, 141 GB HBM3e at 4.8 TB/s, NVLink 450 GB/s each
+    way to every peer through NVSwitch (3 us per message), one 400 Gb/s NDR
+    port per GPU = 50 GB/s each way between nodes (8 us). Kernel launch
+    overhead 5 us (an assumption).
+
+    Args:
+      num_nodes: how many DGX H200 nodes; devices ``8k..8k+7`` are node ``k``.
+      dtype: one of ``"f32"``, ``"tf32"``, ``"f16"``, ``"bf16"``.
+
+    Returns:
+      A `Topology` with ``8 * num_nodes`` devices.
+    """
+    num_nodes = _positive_int("dgx-h200", "num_nodes", num_nodes)
+    return _build("dgx-h200", 8 * num_nodes, dtype)
+
+
+def dgx_b200(num_nodes: int = 1, dtype: str = "bf16") -> Topology:
+    """DGX B200 nodes of 8 B200 GPUs: fifth-generation NVLink inside, NDR InfiniBand between nodes.
+
+    Figures (NVIDIA HGX B200 specifications, per GPU; NVIDIA DGX B200
+    datasheet): dense 75 / 1,100 / 2,250 / 2,250 TFLOPS for f32 / tf32 / f16 /
+    bf16 (the tensor figures are the sparse ones halved), 180 GB HBM3e at
+    7.7 TB/s, NVLink 900 GB/s each way to every peer through NVSwitch (3 us
+    per message, as NVLink 4), one 400 Gb/s NDR port per GPU = 50 GB/s each
+    way between nodes (8 us). Kernel launch overhead 5 us (an assumption).
+    FP8 and FP4, which Blackwell also runs, are not among the compute dtypes.
+
+    Args:
+      num_nodes: how many DGX B200 nodes; devices ``8k..8k+7`` are node ``k``.
+      dtype: one of ``"f32"``, ``"tf32"``, ``"f16"``, ``"bf16"``.
+
+    Returns:
+      A `Topology` with ``8 * num_nodes`` devices.
+    """
+    num_nodes = _positive_int("dgx-b200", "num_nodes", num_nodes)
+    return _build("dgx-b200", 8 * num_nodes, dtype)
+
+
 def cluster(node: str, num_devices: int, dtype: str = "bf16") -> Topology:
     """``num_devices`` GPUs of the server ``node``, filling whole nodes first.
 
@@ -326,6 +413,8 @@ PRESETS: dict[str, Callable[..., Topology]] = {
     "v100-pcie-4": v100_pcie_server,
     "dgx-a100-80gb": dgx_a100,
     "dgx-h100": dgx_h100,
+    "dgx-h200": dgx_h200,
+    "dgx-b200": dgx_b200,
 }
 
 

@@ -12,7 +12,11 @@ from distir_jax.ir.topology import Topology
 SUPPORTED = [
     ("v100-pcie-4", "f32"),
     ("v100-pcie-4", "f16"),
-    *[(name, dtype) for name in ("dgx-a100-80gb", "dgx-h100") for dtype in presets.COMPUTE_DTYPES],
+    *[
+        (name, dtype)
+        for name in ("dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-b200")
+        for dtype in presets.COMPUTE_DTYPES
+    ],
 ]
 
 # name -> (dtype, peak FLOP/s, HBM bytes/s, bytes, intra-node bytes/s, inter-node bytes/s)
@@ -20,6 +24,8 @@ PUBLISHED = {
     "v100-pcie-4": ("f32", 14e12, 900e9, 16e9, 16 * 8e9 * 128 / 130 / 8, None),
     "dgx-a100-80gb": ("bf16", 312e12, 2.039e12, 80e9, 300e9, 25e9),
     "dgx-h100": ("bf16", 989.4e12, 3.35e12, 80e9, 450e9, 50e9),
+    "dgx-h200": ("bf16", 989.4e12, 4.8e12, 141e9, 450e9, 50e9),
+    "dgx-b200": ("bf16", 2.25e15, 7.7e12, 180e9, 900e9, 50e9),
 }
 
 
@@ -72,6 +78,8 @@ def test_published_figures(name):
         (presets.v100_pcie_server, {"f32": 14e12, "f16": 112e12}),
         (presets.dgx_a100, {"f32": 19.5e12, "tf32": 156e12, "f16": 312e12, "bf16": 312e12}),
         (presets.dgx_h100, {"f32": 66.9e12, "tf32": 494.7e12, "f16": 989.4e12, "bf16": 989.4e12}),
+        (presets.dgx_h200, {"f32": 66.9e12, "tf32": 494.7e12, "f16": 989.4e12, "bf16": 989.4e12}),
+        (presets.dgx_b200, {"f32": 75e12, "tf32": 1.1e15, "f16": 2.25e15, "bf16": 2.25e15}),
     ],
 )
 def test_dense_peak_flops_per_dtype(builder, expected):
@@ -82,6 +90,9 @@ def test_dense_peak_flops_per_dtype(builder, expected):
 def test_h100_dense_is_half_the_sparse_datasheet_figure():
     # The H100 datasheet quotes 1,979 TFLOPS bf16 *with sparsity*; dense is half.
     assert presets.dgx_h100().peak_flops[0] == pytest.approx(1979e12 / 2, rel=1e-3)
+    # So are B200's (HGX B200: 4.5 PFLOPS bf16 and 2.2 PFLOPS tf32 with sparsity).
+    assert presets.dgx_b200().peak_flops[0] == 4.5e15 / 2
+    assert presets.dgx_b200(dtype="tf32").peak_flops[0] == 2.2e15 / 2
 
 
 def test_pcie3_bandwidth_is_one_direction():
@@ -93,12 +104,14 @@ def test_defaults():
     assert presets.v100_pcie_server().name == "v100-pcie-4:4 f32"
     assert presets.dgx_a100().name == "dgx-a100-80gb:8 bf16"
     assert presets.dgx_h100().name == "dgx-h100:8 bf16"
+    assert presets.dgx_h200().name == "dgx-h200:8 bf16"
+    assert presets.dgx_b200().name == "dgx-b200:8 bf16"
 
 
 # --- Nodes and links --------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["dgx-a100-80gb", "dgx-h100"])
+@pytest.mark.parametrize("name", ["dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-b200"])
 def test_intra_and_inter_node_links(name):
     _, _, _, _, intra_bw, inter_bw = PUBLISHED[name]
     topo = presets.get_preset(name, num_nodes=3)
@@ -150,7 +163,7 @@ def test_name_with_count_matches_num_nodes():
 
 
 def test_registry():
-    assert presets.preset_names() == ["dgx-a100-80gb", "dgx-h100", "v100-pcie-4"]
+    assert presets.preset_names() == ["dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h200", "v100-pcie-4"]
     assert set(presets.PRESETS) == set(presets.preset_names())
     assert all(callable(f) for f in presets.PRESETS.values())
 
@@ -175,9 +188,9 @@ def test_registry():
         (lambda: presets.cluster("dgx-h100", 8.0), r"got 8\.0"),
         (lambda: presets.cluster("dgx-h100", True), r"got True"),
         (lambda: presets.cluster("v100-pcie-4", 8), r"v100-pcie-4: num_devices must be 1\.\.4.*got 8"),
-        (lambda: presets.cluster("dgx-b200", 8), r"unknown preset 'dgx-b200'.*'dgx-a100-80gb'"),
+        (lambda: presets.cluster("dgx-gb300", 8), r"unknown preset 'dgx-gb300'.*'dgx-a100-80gb'"),
         (lambda: presets.dgx_h100(num_nodes=0), r"dgx-h100: num_nodes must be a positive integer, got 0"),
-        (lambda: presets.get_preset("tpu-v4"), r"unknown preset 'tpu-v4'.*'dgx-h100', 'v100-pcie-4'"),
+        (lambda: presets.get_preset("tpu-v4"), r"unknown preset 'tpu-v4'.*'dgx-h200', 'v100-pcie-4'"),
         (lambda: presets.get_preset("dgx-h100:12"), r"multiple of 8.*got 12"),
         (lambda: presets.get_preset("dgx-h100:two"), r"GPU count after ':' must be a positive integer"),
         (lambda: presets.get_preset("dgx-h100:"), r"GPU count after ':'"),

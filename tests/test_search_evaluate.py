@@ -598,6 +598,30 @@ def test_sweeps_keep_full_collections_off_older_objects_and_restore_the_callers_
         gc.unfreeze()
 
 
+def test_h200_runs_h100_strategies_with_the_same_bytes_no_slower_and_fits_more():
+    """DGX H200 is DGX H100 with 141 GB of faster memory: every row keeps its
+    peak bytes, its step time does not grow, and what overflowed 80 GB fits."""
+    space = StrategySpace(
+        model="gpt3-xl",
+        world_sizes=(8,),
+        global_batch_sizes=(64,),
+        tensor=(8,),
+        microbatches=(1,),
+        hardware=("dgx-h100", "dgx-h200"),
+        dtype="bf16",
+        recompute=("none",),
+        zero=(False,),
+        overlap_grad_comm=(False,),
+    )
+    table = evaluate(space, progress=False)
+    h100, h200 = (table.take(np.flatnonzero(table["hardware"] == h)) for h in ("dgx-h100", "dgx-h200"))
+    assert h100["config_id"].size == h200["config_id"].size == 1
+    assert h100["peak_memory_bytes"][0] == h200["peak_memory_bytes"][0]
+    assert 80e9 < h100["peak_memory_bytes"][0] < 141e9
+    assert (h100["status"][0], h200["status"][0]) == ("out of memory", "ok")
+    assert h200["step_time_s"][0] < h100["step_time_s"][0]
+
+
 def test_a_dtype_the_model_does_not_take_gives_invalid_rows():
     """tf32 is a compute dtype of the presets, not a model dtype: each row says so
     (as an unknown dtype's do) instead of the sweep raising once it has started."""
