@@ -115,6 +115,7 @@ from distir_jax.transforms.coarse import (
     balanced_layers,
     chunk_step_rows,
     data_mode,
+    data_parallel_channels,
     layer_features,
     mode_rows,
     pipeline_template,
@@ -351,7 +352,11 @@ def _link_tables(rows: _Rows, hw_rows) -> tuple[np.ndarray, np.ndarray]:
     link = np.stack(pairs + [rows.dp_link, np.stack([device, behind], -1)], axis=1)  # [K, 5, S, 2]
     d, table = hw_rows.num_devices, hw_rows.table[0]
     pair = np.maximum(link[..., 0], 0) * d + np.maximum(link[..., 1], 0) + 2 * d  # op_speeds' link rows
-    return table[pair].reshape(-1), table[pair + d * d].reshape(-1)
+    # Data-parallel collectives' bytes divided by their rings side by side (Topology.ring_channels).
+    channels = np.ones(link.shape[:3])
+    channels[:, 3] = rows.dp_channels
+    channels[:, 0] = np.where(rows.sync[:, None], rows.dp_channels, 1.0)
+    return (table[pair] / channels).reshape(-1), table[pair + d * d].reshape(-1)
 
 
 def _padding(count: int) -> np.ndarray:
@@ -485,6 +490,8 @@ class _Rows:
         self.device = np.full((len(keys), _MAX_STAGES), -1, np.int32)  # each key's stage devices and links
         self.tp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
         self.dp_link = np.zeros((len(keys), _MAX_STAGES, 2), np.int32)
+        # What each stage's data-parallel collectives' bytes are divided by (Topology.ring_channels).
+        self.dp_channels = np.ones((len(keys), _MAX_STAGES))
         self.last = np.zeros(len(keys), np.intp)  # the last chunk's stage (it holds the labels)
         # Cost rows of the chunks' steps (ChunkTables: forward, first and later backwards,
         # a message: the first 3n + 1) depend on the features and the chunks' layers only:
@@ -530,6 +537,7 @@ class _Rows:
                     self.sync[i] = True
             self.split[ids], self.steps[ids] = 3 * p * v + 1, step
             self.device[ids, :p], self.tp_link[ids, :p], self.dp_link[ids, :p] = device, tp_link, dp_link
+            self.dp_channels[ids, :p] = data_parallel_channels(topology, p, t, d)
             self.last[ids] = (p * v - 1) % p
         # Tokens (and labels) of every microbatch of each configuration.
         self.data = np.asarray([c.microbatches for c in configs]) * np.asarray(
@@ -663,6 +671,9 @@ def _general_seconds(rows: _Rows, c: _Columns, hw_rows) -> np.ndarray:
     kind = np.where((kind == 0) & rows.sync[key], 3, kind)  # a mode "sync" row's updates (_KERNEL_MODE)
     link = links_by_kind(kind, send, rows.tp_link[key, stage], rows.dp_link[key, stage], xp=np)
     features = rows.cost[index]  # [U, Bg, F]
+    # Data-parallel collectives' bytes divided by their rings side by side (Topology.ring_channels).
+    channels = np.where(kind == 3, rows.dp_channels[key, stage], 1.0)
+    features[..., COST_FEATURES.index("comm_volume")] /= channels
     speeds = list(op_speeds(types.SimpleNamespace(slot_device=send, link=link), hw_rows, np))
     speeds[2] = speeds[2].reshape(())  # one hardware: one launch overhead
     return op_seconds(np, {name: features[..., i] for i, name in enumerate(COST_FEATURES)}, *speeds)

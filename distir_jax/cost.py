@@ -13,7 +13,9 @@ have both):
 * communication: ``comm_hops * latency + comm_volume / bandwidth`` on the
   group's slowest link, where the op's registry entry already scaled volume
   and hops for its algorithm (ring all-reduce: ``2 (g - 1) / g`` of the bytes
-  and ``2 (g - 1)`` hops).
+  and ``2 (g - 1)`` hops), and lowering divided the volume by the rings the
+  group runs side by side across nodes
+  (:meth:`~distir_jax.ir.topology.Topology.ring_channels`).
 
 Each function takes the array module ``xp`` (``numpy`` or ``jax.numpy``) so the
 float64 reference simulator and the batched kernel share one formula.

@@ -184,14 +184,17 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
         f = op_features(op)
         is_comm.append(f.is_comm)
         values = f.cost_features()
-        for column, name in zip(columns, COST_FEATURES):
-            column.append(values[name])
         group = op.attr("group")  # op.comm_group, reusing op_devices
         group = tuple(int(d) for d in group) if group else op_devices[i]
-        link = link_cache.get(group)
-        if link is None:
+        cached = link_cache.get(group)
+        if cached is None:
             topology.check_devices(group, f"op #{i} {op.op_type}'s group")
-            link = link_cache[group] = topology.bottleneck_link(group)
+            cached = link_cache[group] = (topology.bottleneck_link(group), topology.ring_channels(group))
+        link, channels = cached
+        if channels != 1.0:  # rings side by side across nodes (Topology.ring_channels)
+            values = dict(values, comm_volume=values["comm_volume"] / channels)
+        for column, name in zip(columns, COST_FEATURES):
+            column.append(values[name])
         links.append(link)
     resource = _padded_rows(resources, k, NO_RESOURCE)
     slot_device = _padded_rows(op_devices, k, NO_DEVICE)

@@ -1,5 +1,6 @@
 """The batched kernel against the pure-Python reference simulator."""
 
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +26,7 @@ from distir_jax.kernel import (
     start_timeline,
 )
 from distir_jax.lower import Capacity, lower, pad_program, stack_programs
+from distir_jax.presets import dgx_a100
 from distir_jax.testing.random_programs import random_function, random_functions
 
 MAX_DEVICES = 4
@@ -402,3 +404,61 @@ def _slot_seconds(program, hardware, comm: bool):
         inverse_bandwidth(np, bandwidth),
         np.asarray(hardware.link_latency)[link[..., 0], link[..., 1]],
     )
+
+
+def _all_reduce(devices, rows: int = 65536):
+    """One all-reduce of a ``[rows, 1024]`` f32 value (256 MB) held on each of ``devices``."""
+    b = FunctionBuilder("all_reduce")
+    xs = [b.input(f"x{d}", (rows, 1024), device=d) for d in devices]
+    return b.build(*b.add("AllReduce", *xs))
+
+
+@pytest.mark.parametrize(
+    "devices, channels",
+    [
+        (range(16), 8),  # 8 members in each of 2 nodes: 8 rings, one per NIC
+        ([0, 1, 8, 9], 2),
+        ([0, 8], 1),  # one member per node: one port each
+        ([0, 1, 2, 8], 1),  # some node holds one member
+        (range(8), 1),  # one node: NVLink
+    ],
+)
+def test_collectives_across_nodes_run_one_ring_per_network_port(devices, channels):
+    """NCCL's ring all-reduce over m members in each of several nodes runs m rings
+    side by side, each through another member's NIC: the network carries m ports'
+    bandwidth (while NVLink keeps up). The kernel and the reference agree on it."""
+    topology = dgx_a100(num_nodes=2, dtype="f32")
+    devices = list(devices)
+    assert topology.ring_channels(devices) == channels
+    fn = _all_reduce(devices)
+    n, nbytes = len(devices), 65536 * 1024 * 4
+    across = len(set(topology.node_of_device[devices].tolist())) > 1
+    bandwidth, latency = (25e9, 8e-6) if across else (300e9, 3e-6)
+    want = 2 * (n - 1) / n * nbytes / (channels * bandwidth) + 2 * (n - 1) * latency
+    ref = reference_simulate(fn, topology)
+    assert ref.step_time == pytest.approx(want, rel=1e-9)
+    with jax.enable_x64(True):
+        result = simulate(lower(fn, topology), Hardware.from_topology(topology))
+    np.testing.assert_allclose(np.ravel(result.step_time), ref.step_time, rtol=1e-12)
+
+
+def test_ring_channels_need_the_slowest_hop_between_nodes():
+    # Two nodes of 4 whose links inside a node are slower than those between them:
+    # the ring's slowest hop is inside a node, which more rings would not widen.
+    node = np.arange(8) // 4
+    same = node[:, None] == node[None, :]
+    topology = Topology(
+        name="slow-nodes",
+        peak_flops=np.full(8, 1e14),
+        memory_bandwidth=np.full(8, 1e12),
+        memory_capacity=np.full(8, 1e11),
+        link_bandwidth=np.where(same, 10e9, 20e9),
+        link_latency=np.zeros((8, 8)),
+        node_of_device=node,
+    )
+    assert topology.ring_channels(range(8)) == 1.0
+    ref = reference_simulate(_all_reduce(range(8)), topology)
+    assert ref.step_time == pytest.approx(2 * 7 / 8 * 2**28 / 10e9, rel=1e-9)
+    faster_inside = dataclasses.replace(topology, link_bandwidth=np.where(same, 40e9, 20e9))
+    assert faster_inside.ring_channels(range(8)) == 4.0
+    assert faster_inside.ring_channels([0, 1, 4]) == 1.0

@@ -743,3 +743,29 @@ def test_zero_on_a_vocabulary_the_degree_does_not_divide_matches_the_exact_engin
     assert (fast["engine"][simulated] == "fast").all()
     for name in ("compute_time_s", "communication_time_s", "bubble_time_s"):
         np.testing.assert_allclose(fast[name], exact[name], rtol=1e-9, atol=1e-15, err_msg=name)
+
+
+def test_data_parallel_groups_across_nodes_match_the_exact_engine():
+    """Replicas spread over two DGX nodes, several in each: their collectives run a
+    ring per network port (Topology.ring_channels), in the fast engine as in the
+    exact one, with and without ZeRO and overlap, pipelined or not."""
+    from distir_jax.transforms.coarse import data_parallel_channels
+
+    space = StrategySpace(
+        model=TINY_GPT,
+        world_sizes=(16,),
+        global_batch_sizes=(32,),
+        microbatches=(2,),
+        tensor=(1, 2),
+        pipeline=(1, 2),
+        schedules=("1f1b",),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        optimizer="adam",
+    )
+    configs = [c for c in enumerate_configs(space) if c.valid]
+    channels = {
+        c.config_id: data_parallel_channels(c.topology(), c.pipeline, c.tensor, c.data).max() for c in configs
+    }
+    assert set(channels.values()) == {2.0, 4.0, 8.0}
+    _assert_same_as_exact(configs)

@@ -53,6 +53,7 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
     ins = tuple(v.type for v in op.inputs)
     outs = tuple(v.type for v in op.outputs)
     features = {k: float(v) for k, v in spec.features(op.attr_dict, ins, outs).cost_features().items()}
+    features["comm_volume"] /= topology.ring_channels(op.comm_group)  # rings side by side across nodes
     a, b = topology.bottleneck_link(op.comm_group)
     return {
         d: float(

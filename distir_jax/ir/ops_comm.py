@@ -4,7 +4,9 @@ Collectives take one value per participating device and return one per device
 (``Broadcast`` and ``Scatter`` start from one root value, ``Gather`` ends in
 one). Costs follow ring algorithms over the group in operand order: features
 give the bytes crossing the slowest link (``comm_volume``) and the number of
-sequential latencies (``comm_hops``); the link itself is chosen at lowering.
+sequential latencies (``comm_hops``); the link itself is chosen at lowering,
+which also divides the bytes by the rings a group runs side by side across
+nodes (:meth:`~distir_jax.ir.topology.Topology.ring_channels`).
 
 Every collective accepts an optional ``group`` attribute: the devices of the
 full group when a symmetry-reduced program simulates only some members (the

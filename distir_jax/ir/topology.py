@@ -132,11 +132,42 @@ class Topology:
     def bottleneck_link(self, devices: Sequence[int]) -> tuple[int, int]:
         """The slowest link of a ring over ``devices`` in the given order.
 
-        Collectives are costed by the ring's slowest hop; ties go to the higher
+        Collectives are costed by the ring's slowest hop (with
+        :meth:`ring_channels` of its bandwidth); ties go to the higher
         latency, then to the first hop. A single device has no link: ``(d, d)``.
         """
         devices = list(devices)
         if len(devices) < 2:
             return (devices[0], devices[0])
-        hops = list(zip(devices, devices[1:] + devices[:1])) if len(devices) > 2 else [tuple(devices)]
-        return min(hops, key=lambda ab: (self.link_bandwidth[ab], -self.link_latency[ab]))
+        return min(_ring_hops(devices), key=lambda ab: (self.link_bandwidth[ab], -self.link_latency[ab]))
+
+    def ring_channels(self, devices: Sequence[int]) -> float:
+        """How many times its bottleneck link's bandwidth a collective over ``devices`` gets.
+
+        A group with ``m`` members in each of several nodes runs ``m`` rings
+        side by side, each crossing between nodes through another member's
+        network port (NCCL builds one ring per NIC, and the presets' nodes have
+        one NIC per GPU): where the ring's slowest hop is between nodes
+        (:meth:`bottleneck_link`), the network carries ``m`` ports' bandwidth.
+        1 for a group in one node, with one member in some node, or whose
+        slowest hop is inside a node. Costs divide a collective's bytes by it
+        (``lower``, the reference simulator, the coarse programs).
+
+        It assumes the links inside a node keep up with ``m`` ports (every
+        preset's do: DGX A100 8 x 25 GB/s against 300, H100 and H200 8 x 50
+        against 450, B200 8 x 50 against 900); a whole number, so a step time
+        stays a function of the bottleneck link's figures (calibration and
+        sensitivities differentiate it)."""
+        devices = [int(d) for d in devices]
+        if len(devices) < 2:
+            return 1.0
+        nodes = self.node_of_device[devices]
+        a, b = self.bottleneck_link(devices)
+        if self.node_of_device[a] == self.node_of_device[b]:
+            return 1.0
+        return float(np.unique(nodes, return_counts=True)[1].min())
+
+
+def _ring_hops(devices: list[int]) -> list[tuple[int, int]]:
+    """The hops of a ring over ``devices`` (two devices: one hop)."""
+    return list(zip(devices, devices[1:] + devices[:1])) if len(devices) > 2 else [tuple(devices)]

@@ -60,6 +60,7 @@ __all__ = [
     "chunk_tables",
     "chunk_tables_by_mode",
     "coarse_pipeline_program",
+    "data_parallel_channels",
     "event_stage_peaks",
     "links_by_kind",
     "mode_rows",
@@ -869,6 +870,18 @@ def stage_devices(topology: Topology, pipeline: int, tensor: int, data: int):
     return device.astype(np.int32), tp.reshape(p, 2), dp.reshape(p, 2)
 
 
+@functools.lru_cache(maxsize=4096)
+def data_parallel_channels(topology: Topology, pipeline: int, tensor: int, data: int) -> np.ndarray:
+    """``[p]`` each stage's data-parallel group's :meth:`~distir_jax.ir.topology.Topology.ring_channels`
+    (the groups of :func:`stage_devices`' ``dp_link``): what its collectives' bytes are divided by.
+    Tensor-parallel collectives need none here: the features measure them on a
+    group laid out as every stage's (``lower`` divides them already). Read only."""
+    p, t, d = pipeline, tensor, data
+    out = np.asarray([topology.ring_channels([r * p * t + s * t for r in range(d)]) for s in range(p)])
+    out.setflags(write=False)
+    return out
+
+
 def realize(
     template: PipelineTemplate,
     tables: ChunkTables,
@@ -912,6 +925,9 @@ def realize(
         link_kind = np.where(template.kind == UPDATE, _TENSOR_LINK, link_kind)
     link = links_by_kind(link_kind, slot_device, tp_link[first], dp_link[first]).astype(np.int32)
     cost = tables.cost[:, cost_row]  # [S, N, F]
+    channels = data_parallel_channels(topology, p, int(tensor), int(data))
+    if np.any(channels != 1.0):  # rings side by side across nodes (Topology.ring_channels)
+        cost[..., _VOLUME] /= np.where(link_kind == 3, channels[first], 1.0)
     alloc = tables.alloc[:, memory_row]  # [S, N, 2]
     free = tables.free[:, memory_row]
     num_devices = topology.num_devices
