@@ -176,6 +176,19 @@ _B200_180GB = _GpuSpec(
     unsupported={},
 )
 
+
+def _dgx(gpu: _GpuSpec, nvlink_bandwidth: float, port_bandwidth: float) -> _NodeSpec:
+    """A DGX node: 8 GPUs behind NVSwitches, one InfiniBand port per GPU."""
+    return _NodeSpec(
+        gpu=gpu,
+        gpus_per_node=8,
+        intra_bandwidth=nvlink_bandwidth,
+        intra_latency=NVLINK_LATENCY,
+        inter_bandwidth=port_bandwidth,
+        inter_latency=INFINIBAND_LATENCY,
+    )
+
+
 _NODES: dict[str, _NodeSpec] = {
     # A 4-GPU PCIe server: each GPU on its own PCIe 3.0 x16 slot. Peer traffic
     # is assumed to reach the full x16 rate for every pair (a PCIe switch).
@@ -190,44 +203,16 @@ _NODES: dict[str, _NodeSpec] = {
     # NVIDIA DGX A100 System Architecture whitepaper (2020) and DGX A100
     # datasheet: 8 A100 GPUs, 6 NVSwitches (600 GB/s per GPU, both ways),
     # 8 single-port ConnectX-6 HDR 200 Gb/s InfiniBand NICs, one per GPU.
-    "dgx-a100-80gb": _NodeSpec(
-        gpu=_A100_SXM_80GB,
-        gpus_per_node=8,
-        intra_bandwidth=NVLINK3_BANDWIDTH,
-        intra_latency=NVLINK_LATENCY,
-        inter_bandwidth=HDR_IB_BANDWIDTH,
-        inter_latency=INFINIBAND_LATENCY,
-    ),
+    "dgx-a100-80gb": _dgx(_A100_SXM_80GB, NVLINK3_BANDWIDTH, HDR_IB_BANDWIDTH),
     # NVIDIA DGX H100 datasheet: 8 H100 SXM 80GB GPUs, 4 NVSwitches (900 GB/s
     # per GPU, both ways), 8 ConnectX-7 NDR 400 Gb/s InfiniBand NICs, one per GPU.
-    "dgx-h100": _NodeSpec(
-        gpu=_H100_SXM_80GB,
-        gpus_per_node=8,
-        intra_bandwidth=NVLINK4_BANDWIDTH,
-        intra_latency=NVLINK_LATENCY,
-        inter_bandwidth=NDR_IB_BANDWIDTH,
-        inter_latency=INFINIBAND_LATENCY,
-    ),
+    "dgx-h100": _dgx(_H100_SXM_80GB, NVLINK4_BANDWIDTH, NDR_IB_BANDWIDTH),
     # NVIDIA DGX H200 datasheet: a DGX H100 with H200 GPUs (4 NVSwitches, 900
     # GB/s NVLink per GPU both ways, 8 ConnectX-7 400 Gb/s NICs for the compute fabric).
-    "dgx-h200": _NodeSpec(
-        gpu=_H200_SXM_141GB,
-        gpus_per_node=8,
-        intra_bandwidth=NVLINK4_BANDWIDTH,
-        intra_latency=NVLINK_LATENCY,
-        inter_bandwidth=NDR_IB_BANDWIDTH,
-        inter_latency=INFINIBAND_LATENCY,
-    ),
+    "dgx-h200": _dgx(_H200_SXM_141GB, NVLINK4_BANDWIDTH, NDR_IB_BANDWIDTH),
     # NVIDIA DGX B200 datasheet: 8 B200 GPUs, 2 NVSwitches (1.8 TB/s NVLink per
     # GPU both ways), 8 single-port ConnectX-7 400 Gb/s NICs for the compute fabric.
-    "dgx-b200": _NodeSpec(
-        gpu=_B200_180GB,
-        gpus_per_node=8,
-        intra_bandwidth=NVLINK5_BANDWIDTH,
-        intra_latency=NVLINK_LATENCY,
-        inter_bandwidth=NDR_IB_BANDWIDTH,
-        inter_latency=INFINIBAND_LATENCY,
-    ),
+    "dgx-b200": _dgx(_B200_180GB, NVLINK5_BANDWIDTH, NDR_IB_BANDWIDTH),
 }
 
 
