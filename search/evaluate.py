@@ -240,7 +240,7 @@ def evaluate(
             existing = ResultTable.read(
                 results_path, derive=functools.partial(_derived, configs, results_path)
             )
-        inputs = sweep_inputs(configs)
+        inputs = sweep_inputs(configs) if results_path else None  # what the manifest records
         if existing is not None:  # its rows must come from this sweep's definitions
             recorded = recorded_inputs(results_path)
             changed = changed_inputs(recorded, inputs)
