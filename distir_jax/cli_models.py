@@ -33,7 +33,8 @@ def run_models(args) -> int:
         kind = next(k for k, cls in MODEL_KINDS.items() if isinstance(config, cls))  # a models file's
         sizes = ("-",) * 4
         if isinstance(config, TransformerConfig):
-            sizes = (config.num_heads, config.ffn_hidden, config.vocab_size, config.seq_len)
+            heads = config.num_heads if not config.grouped else f"{config.num_heads}/{config.num_kv_heads}"
+            sizes = (heads, config.ffn_hidden, config.vocab_size, config.seq_len)
         rows.append(
             (name, kind, config.num_layers, config.hidden)
             + sizes

@@ -44,6 +44,7 @@ def validate_config(config: Config) -> str:
             config.global_batch_size,
             config.world_size,
             hidden=model.hidden,
+            kv_heads=getattr(model, "num_kv_heads", None),
         )
     except ValueError as err:
         return _one_line(err).removeprefix("ParallelConfig: ")

@@ -368,7 +368,12 @@ def model_label(model: ModelSpec) -> str:
     """The text naming a model in a table: its preset name, or its fields."""
     if isinstance(model, str):
         return model
-    fields = ",".join(f"{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model))
+    # Multi-head attention's key / value heads (all of them) go unnamed: labels,
+    # and so configuration ids, stay those from before grouped-query attention.
+    unnamed = () if getattr(model, "grouped", True) else ("num_kv_heads",)
+    fields = ",".join(
+        f"{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model) if f.name not in unnamed
+    )
     return f"{type(model).__name__}({fields})"
 
 

@@ -23,6 +23,8 @@ from distir_jax.testing.inputs import random_inputs
 
 TINY_MLP = MLPConfig(num_layers=3, hidden=5, dtype="f64")
 TINY_GPT = TransformerConfig(num_layers=2, hidden=8, num_heads=2, vocab_size=11, seq_len=4, dtype="f64")
+# Grouped-query attention: 4 query heads share 2 key / value heads.
+TINY_GQA = dataclasses.replace(TINY_GPT, num_heads=4, num_kv_heads=2)
 BATCH = 3
 LR = 0.1
 
@@ -51,7 +53,7 @@ def finite_difference_grad(loss_fn, inputs, name, step=1e-5):
 # Gradient proof.
 
 
-@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
 def test_sgd_step_applies_the_finite_difference_gradient(config):
     train_builder, loss_builder = builders(config)
     train = train_builder(config, BATCH, optimizer="sgd", lr=LR)
@@ -67,7 +69,7 @@ def test_sgd_step_applies_the_finite_difference_gradient(config):
         np.testing.assert_allclose(applied, expected, rtol=1e-6, atol=1e-9, err_msg=name)
 
 
-@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
 def test_adam_first_step_matches_hand_written_adam(config):
     train_builder, _ = builders(config)
     sgd = train_builder(config, BATCH, optimizer="sgd", lr=LR)
@@ -86,6 +88,31 @@ def test_adam_first_step_matches_hand_written_adam(config):
         np.testing.assert_allclose(out[f"{name}.m.new"], m, rtol=1e-9, atol=1e-12, err_msg=name)
         np.testing.assert_allclose(out[f"{name}.v.new"], v, rtol=1e-9, atol=1e-14, err_msg=name)
         np.testing.assert_allclose(out[f"{name}.new"], w, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_grouped_query_attention_shares_each_key_value_head_among_its_query_heads():
+    """The block's attention output against NumPy: query head ``i`` attends with
+    key / value head ``i // G`` (``G = num_heads / num_kv_heads``), causally."""
+    cfg = TINY_GQA
+    train = models.transformer_training_step(cfg, BATCH)
+    every = execute(train, random_inputs(train, seed=2), return_all=True)
+    b, s, n, kv, d = BATCH, cfg.seq_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    a = every["l1.ln1"]
+    q = (a @ every["l1.attn.wq"]).reshape(b, s, n, d)
+    k, v = np.split((a @ every["l1.attn.wkv"]).reshape(b, s, kv, 2 * d), 2, axis=3)
+    ctx = np.zeros((b, s, n, d))
+    for i in range(n):
+        j = i // (n // kv)
+        scores = np.einsum("bsd,btd->bst", q[:, :, i], k[:, :, j]) / np.sqrt(d)
+        scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        ctx[:, :, i] = np.einsum("bst,btd->bsd", p / p.sum(-1, keepdims=True), v[:, :, j])
+    np.testing.assert_allclose(every["l1.ctx"], ctx.reshape(b, s, n * d), rtol=1e-12)
+    # Fewer key / value weights: LLaMA-2 70B's 8 of 64 heads.
+    assert cfg.num_parameters() == TINY_GPT.num_parameters() - cfg.num_layers * cfg.hidden * cfg.hidden
+    assert sum(int(np.prod(v.type.shape)) for v in train.inputs if v.name in weight_names(train)) == (
+        cfg.num_parameters()
+    )
 
 
 def test_inference_matches_the_forward_of_the_training_step():
@@ -167,7 +194,7 @@ def test_gpt3_presets_keep_head_dim_128():
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
 def test_annotation_contract(config, optimizer):
     fn = builders(config)[0](config, BATCH, optimizer=optimizer)
     check_contract(fn)
@@ -190,7 +217,7 @@ def test_annotation_contract(config, optimizer):
 
 
 @pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half"])
-@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
 def test_training_precisions_keep_the_contract(config, precision):
     """bf16: "mixed" casts each weight's gradient to f32 right after the op computing it
     (the cast carries grad_of); the others keep it in bf16. Master copies come with
@@ -226,7 +253,7 @@ def test_training_precisions_keep_the_contract(config, precision):
 
 
 @pytest.mark.parametrize("precision", [None, "mixed"])
-@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
 def test_flops_outside_the_optimizer_scale_with_the_batch(config, precision):
     """The pipeline transform orders and balances steps by the flops of the whole
     batch's program, the fast engine by one microbatch's: the same order only while
@@ -310,7 +337,7 @@ def op_features(fn):
         yield op, get_spec(op.op_type).features(op.attr_dict, ins, outs)
 
 
-@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
 def test_size_variants_give_per_variant_features(config):
     sizes = np.array([2, 4, 8])
     build = builders(config)[0]
@@ -318,7 +345,10 @@ def test_size_variants_give_per_variant_features(config):
     check_contract(fn)
     first_matmul = next(f for op, f in op_features(fn) if op.op_type == "MatMul")
     width = config.hidden
-    per_row = 2 * width * width if isinstance(config, MLPConfig) else 2 * config.seq_len * width * 3 * width
+    if isinstance(config, MLPConfig):
+        per_row = 2 * width * width
+    else:  # the query projection: with the keys and values, or alone (grouped-query attention)
+        per_row = 2 * config.seq_len * width * (width if config.grouped else 3 * width)
     np.testing.assert_array_equal(first_matmul.flops, sizes * per_row)
     # Batch independence: variant i equals building with size i alone.
     for i, size in enumerate(sizes):

@@ -28,6 +28,8 @@ CONFIGS = {
     "gpt-bf16": dataclasses.replace(GPT, dtype="bf16"),
     "mlp-bf16-half-grads": dataclasses.replace(MLP, dtype="bf16", training_precision="mixed-half-grads"),
     "gpt-bf16-half": dataclasses.replace(GPT, dtype="bf16", training_precision="half"),
+    # Grouped-query attention: 4 query heads share 2 key / value heads.
+    "gqa": dataclasses.replace(GPT, num_heads=4, num_kv_heads=2),
 }
 PRECISION_CASES = {"mixed": "gpt-bf16", "mixed-half-grads": "gpt-bf16-half-grads", "half": "gpt-bf16-half"}
 CONFIGS["gpt-bf16-half-grads"] = dataclasses.replace(GPT, dtype="bf16", training_precision="mixed-half-grads")
@@ -184,6 +186,13 @@ def test_data_only_computes_the_original(model, config):
     assert_computes_the_original(dist, model)
 
 
+def test_grouped_query_attention_needs_a_tensor_degree_dividing_its_key_value_heads():
+    fn = case("gqa")[0]
+    assert model_shape(fn) == dict(num_layers=2, num_heads=4, batch_size=BATCH, kv_heads=2)
+    with pytest.raises(ValueError, match=r"tensor=4 must divide the number of key / value heads, which is 2"):
+        parallelize(fn, ParallelConfig(tensor=4))
+
+
 def test_parallelize_validates_against_the_program():
     with pytest.raises(ValueError, match=r"data=3 must divide the batch size, which is 8"):
         parallelize(case("mlp")[0], ParallelConfig(data=3))
@@ -232,7 +241,7 @@ HYBRIDS["all_sp"] = (
 
 
 @pytest.mark.parametrize(
-    "model", ["mlp", "gpt", "mlp-bf16", "gpt-bf16", "mlp-bf16-half-grads", "gpt-bf16-half"]
+    "model", ["mlp", "gpt", "mlp-bf16", "gpt-bf16", "mlp-bf16-half-grads", "gpt-bf16-half", "gqa"]
 )
 @pytest.mark.parametrize("hybrid", list(HYBRIDS))
 def test_hybrid_computes_the_original(hybrid, model):

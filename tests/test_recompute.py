@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -21,7 +22,7 @@ from distir_jax.transforms.recompute import RECOMPUTE_POLICIES, recompute
 
 MLP = MLPConfig(num_layers=8, hidden=8, dtype="f64")
 GPT = TransformerConfig(num_layers=4, hidden=8, num_heads=2, vocab_size=11, seq_len=4, dtype="f64")
-CONFIGS = {"mlp": MLP, "gpt": GPT}
+CONFIGS = {"mlp": MLP, "gpt": GPT, "gqa": dataclasses.replace(GPT, num_heads=4, num_kv_heads=2)}
 
 
 @functools.cache
@@ -40,7 +41,7 @@ def assert_equivalent(dist, fn):
 
 @pytest.mark.parametrize("policy", RECOMPUTE_POLICIES)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "gqa"])
 def test_recompute_computes_the_original_step(model, optimizer, policy):
     fn = training_step(model, optimizer)
     assert_equivalent(recompute(fn, policy), fn)
@@ -54,6 +55,8 @@ def test_recompute_computes_the_original_step(model, optimizer, policy):
         ("gpt", "full", 4, 4, "1f1b", 1),
         ("gpt", "full", 2, 2, "interleaved", 2),
         ("gpt", "attention", 1, 2, "1f1b", 1),
+        ("gqa", "attention", 2, 4, "1f1b", 1),
+        ("gqa", "full", 2, 2, "interleaved", 2),
         ("mlp", "full", 4, 2, "1f1b", 1),
         ("mlp", "full", 2, 4, "interleaved", 2),
     ],

@@ -1,5 +1,6 @@
 """The fast engine (coarse programs generated as arrays) against the reference simulator on fine programs."""
 
+import dataclasses
 import importlib
 
 import numpy as np
@@ -769,3 +770,28 @@ def test_data_parallel_groups_across_nodes_match_the_exact_engine():
     }
     assert set(channels.values()) == {2.0, 4.0, 8.0}
     _assert_same_as_exact(configs)
+
+
+def test_grouped_query_attention_runs_fast_as_the_exact_engine():
+    """Key / value heads shared by query heads (LLaMA-2 70B style): the fast
+    engine's coarse programs measure their blocks, so every strategy equals the
+    exact engine's; a tensor degree that splits a key / value head is an invalid row."""
+    model = dataclasses.replace(TINY_GPT, num_heads=8, num_kv_heads=2)
+    space = StrategySpace(
+        model=model,
+        world_sizes=(4,),
+        global_batch_sizes=(16,),
+        microbatches=(2,),
+        schedules=("1f1b", "interleaved"),
+        recompute=("none", "attention"),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        sequence_parallel=(False, True),
+        optimizer="adam",
+    )
+    configs = list(enumerate_configs(space))
+    valid = [c for c in configs if c.valid]
+    assert {c.tensor for c in valid} == {1, 2} and {c.pipeline for c in valid} >= {1, 2}
+    reasons = {c.reason for c in configs if c.tensor == 4}
+    assert reasons == {"tensor=4 must divide the number of key / value heads, which is 2"}
+    _assert_same_as_exact(valid)

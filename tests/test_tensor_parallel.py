@@ -26,8 +26,10 @@ MLP = MLPConfig(num_layers=4, hidden=8, dtype="f64")
 GPT = TransformerConfig(num_layers=2, hidden=8, num_heads=4, vocab_size=11, seq_len=4, dtype="f64")
 # 12 tokens: degrees 2 and 4 split the vocabulary (the token table, LM head and loss).
 GPT_VOCAB = dataclasses.replace(GPT, vocab_size=12)
-BATCH = {"mlp": 4, "gpt": 2, "gpt_vocab": 2}
-CONFIGS = {"mlp": MLP, "gpt": GPT, "gpt_vocab": GPT_VOCAB}
+# Grouped-query attention: the 4 query heads share 2 key / value heads.
+GQA = dataclasses.replace(GPT, num_kv_heads=2)
+BATCH = {"mlp": 4, "gpt": 2, "gpt_vocab": 2, "gqa": 2}
+CONFIGS = {"mlp": MLP, "gpt": GPT, "gpt_vocab": GPT_VOCAB, "gqa": GQA}
 RTOL = 1e-9
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter")
 
@@ -251,6 +253,23 @@ def test_megatron_all_reduces_per_transformer_block():
     assert count(dist, "AllGather") == count(dist, "ReduceScatter") == 0
     # Every all-reduce spans the four ranks of one old device.
     assert {op.devices for op in dist.ops if op.op_type == "AllReduce"} == {(0, 1, 2, 3)}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_grouped_query_attention_splits_whole_key_value_heads(optimizer, sequence_parallel):
+    """Each rank holds whole key / value heads and their query heads: the same
+    numbers, and Megatron's collectives per block (the two projections' input
+    gradients add up as partial sums, then one reduction)."""
+    fn = training("gqa", optimizer)
+    dist = tensor_parallel(fn, 2, sequence_parallel=sequence_parallel)
+    assert_same_outputs(fn, dist)
+    plain = tensor_parallel(training("gpt", optimizer), 2, sequence_parallel=sequence_parallel).function
+    for kind in COLLECTIVES:
+        for phase in ("fwd", "bwd", "opt"):
+            assert count(dist.function, kind, phase=phase) == count(plain, kind, phase=phase), (kind, phase)
+    with pytest.raises(ValueError, match=r"degree=4 must divide num_kv_heads=2 \(the heads, entry"):
+        tensor_parallel(fn, 4)
 
 
 def test_sequence_parallel_collectives_per_transformer_block():

@@ -119,6 +119,10 @@ class TransformerConfig(_Precision):
       ln_eps: LayerNorm epsilon.
       training_precision: how it trains in ``dtype`` (``PRECISIONS``); None: the
         dtype's default (``mixed`` for bf16 / f16, ``full`` otherwise).
+      num_kv_heads: key / value heads ``K`` (grouped-query attention, as
+        LLaMA-2 70B and LLaMA-3 use: each serves ``num_heads / K`` query
+        heads); must divide ``num_heads``. ``None`` means ``num_heads``
+        (multi-head attention).
     """
 
     num_layers: int
@@ -130,13 +134,17 @@ class TransformerConfig(_Precision):
     dtype: str = "f32"
     ln_eps: float = 1e-5
     training_precision: str | None = None
+    num_kv_heads: int | None = None
 
     def __post_init__(self):
         owner = "TransformerConfig"
         if self.ffn_hidden is None:
             _check_positive_int(owner, "hidden", self.hidden)
             object.__setattr__(self, "ffn_hidden", 4 * int(self.hidden))
-        sizes = ("num_layers", "hidden", "num_heads", "vocab_size", "seq_len", "ffn_hidden")
+        if self.num_kv_heads is None:
+            _check_positive_int(owner, "num_heads", self.num_heads)
+            object.__setattr__(self, "num_kv_heads", int(self.num_heads))
+        sizes = ("num_layers", "hidden", "num_heads", "vocab_size", "seq_len", "ffn_hidden", "num_kv_heads")
         for name in sizes:
             _check_positive_int(owner, name, getattr(self, name))
         _as_python_ints(self, sizes)
@@ -144,6 +152,11 @@ class TransformerConfig(_Precision):
             raise ValueError(
                 f"{owner}: hidden={self.hidden} must be divisible by num_heads={self.num_heads} "
                 "(each head gets hidden / num_heads features)"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{owner}: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                "(each key / value head serves the same number of query heads)"
             )
         _check_dtype(owner, self.dtype)
         _check_precision(owner, self.dtype, self.training_precision)
@@ -154,10 +167,15 @@ class TransformerConfig(_Precision):
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 
+    @property
+    def grouped(self) -> bool:
+        """Whether key / value heads are shared by several query heads (grouped-query attention)."""
+        return self.num_kv_heads < self.num_heads
+
     def num_parameters(self) -> int:
         """Weights of the built program: untied head, no biases besides LayerNorm."""
         h, f = self.hidden, self.ffn_hidden
-        per_block = 3 * h * h + h * h + 2 * h * f + 4 * h
+        per_block = h * h + 2 * h * self.num_kv_heads * self.head_dim + h * h + 2 * h * f + 4 * h
         return (
             (self.vocab_size + self.seq_len) * h + self.num_layers * per_block + 2 * h + h * self.vocab_size
         )

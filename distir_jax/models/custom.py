@@ -10,6 +10,9 @@ line reads with ``--models FILE``::
       "llama-7b-like": {"kind": "gpt", "num_layers": 32, "hidden": 4096,
                         "num_heads": 32, "vocab_size": 32000, "seq_len": 4096,
                         "ffn_hidden": 16512},
+      "llama2-70b-like": {"kind": "gpt", "num_layers": 80, "hidden": 8192,
+                          "num_heads": 64, "num_kv_heads": 8, "vocab_size": 32000,
+                          "seq_len": 4096, "ffn_hidden": 43008},
       "mlp-wide": {"kind": "mlp", "num_layers": 8, "hidden": 16384}
     }
 
@@ -18,7 +21,9 @@ A model's fields are :class:`~distir_jax.models.TransformerConfig`'s
 block is GPT-2's (LayerNorm, a GELU MLP of ``ffn_hidden``, learned
 positions): a model of another block is approximated by its sizes. A SwiGLU
 MLP of width ``F`` (three matrices) has the weights and FLOPs of this one at
-``1.5 F``: LLaMA-7B's 11008 is 16512 above.
+``1.5 F``: LLaMA-7B's 11008 is 16512 above, LLaMA-2 70B's 28672 is 43008.
+Grouped-query attention is the block's own: ``num_kv_heads`` key / value
+heads, each shared by ``num_heads / num_kv_heads`` query heads.
 """
 
 from __future__ import annotations

@@ -19,6 +19,21 @@ layout), not ``[3, N, D]``: reshaping to ``[B, S, N, 3D]`` before the split
 makes a contiguous column split of ``wqkv`` a split of whole heads, so a
 tensor-parallel transform splits the weight and divides ``N`` in the Reshape.
 
+With grouped-query attention (``num_kv_heads`` ``K < N``, each key / value head
+serving ``G = N / K`` query heads) the projections are two weights,
+``attn.wq`` ``[H, H]`` and ``attn.wkv`` ``[H, 2 K D]`` (columns ``[K, 2, D]``:
+a contiguous split is one of whole key / value heads, with their query heads
+in ``wq``'s). Each group's queries are stacked along the sequence, ``q``
+``[B, K, G S, D]``, so one batched MatMul per group scores them against the
+group's keys ``[B, K, S, D]`` (and their gradients sum over the group by
+themselves); scores and probabilities are ``[B, N, S, S]`` again for the mask
+and the softmax::
+
+    q  = a @ wq -> [B, S, N, D] -> [B, N, S, D] -> [B, K, G S, D]
+    kv = a @ wkv -> [B, S, K, 2D] -> Split k, v [B, S, K, D] -> [B, K, S, D]
+    p  = Softmax(CausalMask(Scale(q @ k^T -> [B, N, S, S])))
+    c  = (p -> [B, K, G S, S]) @ v -> [B, N, S, D] -> [B, S, H]
+
 The token table, the LM head ``head.w`` ``[H, V]`` and the cross entropy carry
 ``tp="vocab"``: a tensor degree that divides ``V`` splits them by vocabulary
 (Megatron-LM's vocab-parallel embedding, output layer and loss).
@@ -38,6 +53,9 @@ _HEADS_PERM = (0, 2, 1, 3)
 _HEADS = {"tp": "heads"}
 _VOCAB = {"tp": "vocab"}  # split by vocabulary where the tensor degree divides it
 _SHARDED = {"tp": "sharded"}
+# On a head-splitting Reshape whose tp_axis entry counts key / value heads (grouped-query
+# attention): what a tensor-parallel degree that does not divide it is told.
+_KV_HEADS = {"tp_dim": "num_kv_heads"}
 
 
 class _BlockActs(NamedTuple):
@@ -54,6 +72,8 @@ class _BlockActs(NamedTuple):
     ln2: Value
     h1: Value  # [B, S, F], before Gelu
     g: Value  # after Gelu
+    # Grouped-query attention: probs as [B, K, G S, S] (q is [B, K, G S, D], k and v [B, K, S, D]).
+    grouped_probs: Value | None = None
 
 
 def _check_config(config) -> TransformerConfig:
@@ -71,10 +91,14 @@ def _declare_weights(em: Emitter, cfg: TransformerConfig) -> list[dict[str, Valu
             "embed.pos": em.weight(0, "embed.pos", (cfg.seq_len, h)),
         }
     ]
+    if cfg.grouped:  # grouped-query attention: queries apart from the shared keys and values
+        projections = {"attn.wq": (h, h), "attn.wkv": (h, 2 * cfg.num_kv_heads * cfg.head_dim)}
+    else:
+        projections = {"attn.wqkv": (h, 3 * h)}
     shapes = {
         "ln1.gamma": (h,),
         "ln1.beta": (h,),
-        "attn.wqkv": (h, 3 * h),
+        **projections,
         "attn.wo": (h, h),
         "ln2.gamma": (h,),
         "ln2.beta": (h,),
@@ -102,18 +126,43 @@ def _block_forward(
     s, h, n, d = cfg.seq_len, cfg.hidden, cfg.num_heads, cfg.head_dim
     p = f"l{layer}."
     ln1 = em.op("LayerNorm", x, w["ln1.gamma"], w["ln1.beta"], name=p + "ln1", eps=cfg.ln_eps)
-    qkv = em.op("MatMul", ln1, w["attn.wqkv"], name=p + "qkv", tp="col")
-    qkv = em.op("Reshape", qkv, name=p + "qkv_heads", shape=(-1, s, n, 3 * d), tp_axis=2, **_HEADS)
-    parts = em.op("Split", qkv, name=(p + "q_bsnd", p + "k_bsnd", p + "v_bsnd"), axis=3, parts=3, **_HEADS)
-    q, k, v = (
-        em.op("Transpose", t, name=f"{p}{c}", perm=_HEADS_PERM, **_HEADS)
-        for t, c in zip(parts, "qkv", strict=True)
-    )
-    scores = em.op("MatMul", q, k, name=p + "scores", transpose_b=True, **_HEADS)
+    grouped_probs = None
+    if cfg.grouped:
+        kv, group = cfg.num_kv_heads, n // cfg.num_kv_heads
+        q = em.op("MatMul", ln1, w["attn.wq"], name=p + "q_proj", tp="col")
+        q = em.op("Reshape", q, name=p + "q_bsnd", shape=(-1, s, n, d), tp_axis=2, **_HEADS)
+        q = em.op("Transpose", q, name=p + "q_bnsd", perm=_HEADS_PERM, **_HEADS)
+        q = _grouped(em, q, kv, group * s, d, p + "q", kv=True)
+        kvs = em.op("MatMul", ln1, w["attn.wkv"], name=p + "kv_proj", tp="col")
+        kv_tp = dict(_HEADS, **_KV_HEADS)
+        kvs = em.op("Reshape", kvs, name=p + "kv_heads", shape=(-1, s, kv, 2 * d), tp_axis=2, **kv_tp)
+        parts = em.op("Split", kvs, name=(p + "k_bsnd", p + "v_bsnd"), axis=3, parts=2, **_HEADS)
+        k, v = (
+            em.op("Transpose", t, name=f"{p}{c}", perm=_HEADS_PERM, **_HEADS)
+            for t, c in zip(parts, "kv", strict=True)
+        )
+        scores = em.op("MatMul", q, k, name=p + "scores_grouped", transpose_b=True, **_HEADS)
+        scores = _grouped(em, scores, n, s, s, p + "scores")
+    else:
+        qkv = em.op("MatMul", ln1, w["attn.wqkv"], name=p + "qkv", tp="col")
+        qkv = em.op("Reshape", qkv, name=p + "qkv_heads", shape=(-1, s, n, 3 * d), tp_axis=2, **_HEADS)
+        parts = em.op(
+            "Split", qkv, name=(p + "q_bsnd", p + "k_bsnd", p + "v_bsnd"), axis=3, parts=3, **_HEADS
+        )
+        q, k, v = (
+            em.op("Transpose", t, name=f"{p}{c}", perm=_HEADS_PERM, **_HEADS)
+            for t, c in zip(parts, "qkv", strict=True)
+        )
+        scores = em.op("MatMul", q, k, name=p + "scores", transpose_b=True, **_HEADS)
     scores = em.op("Scale", scores, name=p + "scaled", factor=1.0 / math.sqrt(d), **_HEADS)
     scores = em.op("CausalMask", scores, name=p + "masked", fill=-1e9, **_HEADS)
     probs = em.op("Softmax", scores, name=p + "probs", axis=-1, **_HEADS)
-    ctx = em.op("MatMul", probs, v, name=p + "ctx_bnsd", **_HEADS)
+    if cfg.grouped:
+        grouped_probs = _grouped(em, probs, kv, group * s, s, p + "probs_grouped", kv=True)
+        ctx = em.op("MatMul", grouped_probs, v, name=p + "ctx_grouped", **_HEADS)
+        ctx = _grouped(em, ctx, n, s, d, p + "ctx_bnsd")
+    else:
+        ctx = em.op("MatMul", probs, v, name=p + "ctx_bnsd", **_HEADS)
     ctx = em.op("Transpose", ctx, name=p + "ctx_bsnd", perm=_HEADS_PERM, **_HEADS)
     ctx = em.op("Reshape", ctx, name=p + "ctx", shape=(-1, s, h), tp_axis=2, **_HEADS)
     attn = em.op("MatMul", ctx, w["attn.wo"], name=p + "attn", tp="row")
@@ -123,7 +172,16 @@ def _block_forward(
     g = em.op("Gelu", h1, name=p + "gelu", **_SHARDED)
     mlp = em.op("MatMul", g, w["mlp.w2"], name=p + "mlp", tp="row")
     out = em.op("Add", x1, mlp, name=p + "out")
-    return _BlockActs(x, ln1, q, k, v, probs, ctx, x1, ln2, h1, g), out
+    return _BlockActs(x, ln1, q, k, v, probs, ctx, x1, ln2, h1, g, grouped_probs), out
+
+
+def _grouped(em: Emitter, x: Value, heads: int, rows: int, width: int, name: str, kv: bool = False) -> Value:
+    """``x`` as ``[B, heads, rows, width]``: a head axis of query heads ``N`` regrouped
+    into key / value heads ``K`` (``kv``) with their ``G`` query heads' rows
+    stacked (``[B, N, S, W] -> [B, K, G S, W]``), or back. The heads axis is
+    what a tensor-parallel degree divides."""
+    tp = dict(_HEADS, **_KV_HEADS) if kv else _HEADS
+    return em.op("Reshape", x, name=name, shape=(-1, heads, rows, width), tp_axis=1, **tp)
 
 
 def _flat(em: Emitter, x: Value, width: int, name: str, **tp) -> Value:
@@ -191,12 +249,21 @@ def _block_backward(
     dctx = em.op("MatMul", dx1, w["attn.wo"], name=p + "dctx", transpose_b=True, tp="row")
     dctx = em.op("Reshape", dctx, name=p + "dctx_bsnd", shape=(-1, s, n, d), tp_axis=2, **_HEADS)
     dctx = em.op("Transpose", dctx, name=p + "dctx_bnsd", perm=_HEADS_PERM, **_HEADS)
-    dprobs = em.op("MatMul", dctx, acts.v, name=p + "dprobs", transpose_b=True, **_HEADS)
-    dv = em.op("MatMul", acts.probs, dctx, name=p + "dv", transpose_a=True, **_HEADS)
+    if cfg.grouped:
+        kv, group = cfg.num_kv_heads, n // cfg.num_kv_heads
+        dctx = _grouped(em, dctx, kv, group * s, d, p + "dctx_grouped", kv=True)
+        dprobs = em.op("MatMul", dctx, acts.v, name=p + "dprobs_grouped", transpose_b=True, **_HEADS)
+        dprobs = _grouped(em, dprobs, n, s, s, p + "dprobs")
+        dv = em.op("MatMul", acts.grouped_probs, dctx, name=p + "dv", transpose_a=True, **_HEADS)
+    else:
+        dprobs = em.op("MatMul", dctx, acts.v, name=p + "dprobs", transpose_b=True, **_HEADS)
+        dv = em.op("MatMul", acts.probs, dctx, name=p + "dv", transpose_a=True, **_HEADS)
     dscores = em.op("SoftmaxGrad", dprobs, acts.probs, name=p + "dmasked", axis=-1, **_HEADS)
     # The mask's gradient is the mask with fill 0: masked scores got no gradient.
     dscores = em.op("CausalMask", dscores, name=p + "dscaled", fill=0.0, **_HEADS)
     dscores = em.op("Scale", dscores, name=p + "dscores", factor=1.0 / math.sqrt(d), **_HEADS)
+    if cfg.grouped:
+        return _grouped_qkv_backward(em, cfg, p, acts, dscores, dv, dx1, w)
     dq = em.op("MatMul", dscores, acts.k, name=p + "dq", **_HEADS)
     dk = em.op("MatMul", dscores, acts.q, name=p + "dk", transpose_a=True, **_HEADS)
     dparts = [
@@ -214,6 +281,51 @@ def _block_backward(
         tp="col",
     )
     dln1 = em.op("MatMul", dqkv, w["attn.wqkv"], name=p + "dln1", transpose_b=True, tp="col")
+    dx = _layer_norm_grad(em, dln1, acts.x, w["ln1.gamma"], w["ln1.beta"], p + "dx_ln", cfg.ln_eps)
+    return em.op("Add", dx1, dx, name=p + "dx")
+
+
+def _grouped_qkv_backward(
+    em: Emitter,
+    cfg: TransformerConfig,
+    p: str,
+    acts: _BlockActs,
+    dscores: Value,
+    dv: Value,
+    dx1: Value,
+    w: dict,
+) -> Value:
+    """Grouped-query attention's backward from the scores' gradient ``[B, N, S, S]``
+    and ``dv`` ``[B, K, S, D]`` to the block input's; the two projections'
+    input gradients are partial sums that add up before one tensor-parallel
+    reduction (the rewrite keeps a sum of partial sums partial)."""
+    s, h, n, d = cfg.seq_len, cfg.hidden, cfg.num_heads, cfg.head_dim
+    kv, group = cfg.num_kv_heads, n // cfg.num_kv_heads
+    dscores = _grouped(em, dscores, kv, group * s, s, p + "dscores_grouped", kv=True)
+    dq = em.op("MatMul", dscores, acts.k, name=p + "dq_grouped", **_HEADS)  # [B, K, G S, D]
+    dk = em.op("MatMul", dscores, acts.q, name=p + "dk", transpose_a=True, **_HEADS)  # sums the group
+    dq = _grouped(em, dq, n, s, d, p + "dq_bnsd")
+    dq = em.op("Transpose", dq, name=p + "dq_bsnd", perm=_HEADS_PERM, **_HEADS)
+    dq = em.op("Reshape", dq, name=p + "dq", shape=(-1, s, h), tp_axis=2, **_HEADS)
+    dparts = [
+        em.op("Transpose", t, name=f"{p}d{c}_bsnd", perm=_HEADS_PERM, **_HEADS)
+        for t, c in zip((dk, dv), "kv", strict=True)
+    ]
+    dkv = em.op("Concat", *dparts, name=p + "dkv_heads", axis=3, **_HEADS)
+    dkv = em.op("Reshape", dkv, name=p + "dkv", shape=(-1, s, 2 * kv * d), tp_axis=2, **_HEADS, **_KV_HEADS)
+    ln1 = _flat(em, acts.ln1, h, p + "ln1_flat")
+    for weight, grad, width, name in ((w["attn.wq"], dq, h, "dq"), (w["attn.wkv"], dkv, 2 * kv * d, "dkv")):
+        em.weight_grad(
+            "MatMul",
+            weight,
+            ln1,
+            _flat(em, grad, width, f"{p}{name}_flat", **_HEADS),
+            transpose_a=True,
+            tp="col",
+        )
+    dln1_q = em.op("MatMul", dq, w["attn.wq"], name=p + "dln1_q", transpose_b=True, tp="col")
+    dln1_kv = em.op("MatMul", dkv, w["attn.wkv"], name=p + "dln1_kv", transpose_b=True, tp="col")
+    dln1 = em.op("Add", dln1_q, dln1_kv, name=p + "dln1")
     dx = _layer_norm_grad(em, dln1, acts.x, w["ln1.gamma"], w["ln1.beta"], p + "dx_ln", cfg.ln_eps)
     return em.op("Add", dx1, dx, name=p + "dx")
 

@@ -87,6 +87,7 @@ class ParallelConfig:
         world_size: int | None = None,
         *,
         hidden: int | None = None,
+        kv_heads: int | None = None,
     ) -> ParallelConfig:
         """Checks the strategy against a model; returns ``self``.
 
@@ -100,6 +101,8 @@ class ParallelConfig:
           batch_size: global batch ``B``, an int or a 1-D array of size variants.
           world_size: when given, the device count the strategy must use.
           hidden: when given, the width the tensor degree must divide.
+          kv_heads: when given, the key / value heads (grouped-query attention)
+            the tensor degree must divide.
 
         Raises:
           ValueError: naming the parameter, its value and the constraint.
@@ -154,6 +157,8 @@ class ParallelConfig:
             )
         if num_heads is not None:
             _dividing("tensor", self.tensor, "number of attention heads", num_heads)
+        if kv_heads is not None:
+            _dividing("tensor", self.tensor, "number of key / value heads", kv_heads)
         if hidden is not None:
             _dividing("tensor", self.tensor, "hidden size", hidden)
         _dividing("data", self.data, "batch size", batch_size)
@@ -188,16 +193,18 @@ def model_shape(program: Program) -> dict:
     data = [v for v in fn.inputs if not _STATE_RE.match(dist.inputs[v.name].source) and v.type.rank > 0]
     if not layers or not data:
         raise ValueError(f"parallelize: function {fn.name} has no layer-annotated ops or no data input")
-    heads = {
-        op.attr("shape")[op.attr("tp_axis")]
-        for op in fn.ops
-        if op.op_type == "Reshape" and op.attr("tp") == "heads" and op.attr("tp_axis") is not None
-    }
-    return dict(
+    heads: dict[str, set] = {"num_heads": set(), "num_kv_heads": set()}
+    for op in fn.ops:
+        if op.op_type == "Reshape" and op.attr("tp") == "heads" and op.attr("tp_axis") is not None:
+            heads[op.attr("tp_dim") or "num_heads"].add(op.attr("shape")[op.attr("tp_axis")])
+    shape = dict(
         num_layers=max(1, max(layers) - 1),
-        num_heads=min(heads) if heads else None,
+        num_heads=min(heads["num_heads"]) if heads["num_heads"] else None,
         batch_size=data[0].type.shape[0],
     )
+    if heads["num_kv_heads"]:  # grouped-query attention
+        shape["kv_heads"] = min(heads["num_kv_heads"])
+    return shape
 
 
 def _call(transform, program, *args, representative_only=False, **kwargs) -> Distributed:

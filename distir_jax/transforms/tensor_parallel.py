@@ -88,6 +88,8 @@ __all__ = ["tensor_parallel"]
 # Model-level names of the dimensions a split divides, by weight name.
 _WEIGHT_DIMS = {
     "attn.wqkv": "3 * hidden",
+    "attn.wq": "hidden",
+    "attn.wkv": "2 * num_kv_heads * head_dim",
     "attn.wo": "hidden",
     "mlp.w1": "ffn_hidden",
     "mlp.w2": "ffn_hidden",
@@ -210,7 +212,8 @@ def _check_divisible(fn: Function, degree: int) -> None:
             if shape[tp_axis] % degree:
                 where = f"entry {tp_axis} of shape={shape} of Reshape %{op.outputs[0].name}"
                 if hint == "heads" and len(shape) == 4:
-                    problems.setdefault(f"num_heads={shape[tp_axis]}", f"the heads, {where}")
+                    heads = op.attr("tp_dim") or "num_heads"  # or the key / value heads
+                    problems.setdefault(f"{heads}={shape[tp_axis]}", f"the heads, {where}")
                 else:
                     widths.setdefault(f"the split width {shape[tp_axis]}", where)
     problems = problems or widths
