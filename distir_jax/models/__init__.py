@@ -23,8 +23,9 @@ Annotation contract (what parallelism transforms may rely on; checked by
   ``labels`` (transformer, ``[B, S]``, ``i32``); their batch axis is axis 0.
   Then the weights, named ``l{layer}.{name}`` in layer order: MLP ``l{i}.w``;
   transformer ``l0.embed.tokens`` ``[V, H]``, ``l0.embed.pos`` ``[S, H]``, per
-  block ``l{i}.ln1.gamma``, ``l{i}.ln1.beta``, ``l{i}.attn.wqkv`` ``[H, 3H]``,
-  ``l{i}.attn.wo`` ``[H, H]``, ``l{i}.ln2.gamma``, ``l{i}.ln2.beta``,
+  block ``l{i}.ln1.gamma``, ``l{i}.ln1.beta``, ``l{i}.attn.wqkv`` ``[H, 3H]``
+  (grouped-query attention: ``l{i}.attn.wq`` ``[H, H]`` and ``l{i}.attn.wkv``
+  ``[H, 2 K D]``), ``l{i}.attn.wo`` ``[H, H]``, ``l{i}.ln2.gamma``, ``l{i}.ln2.beta``,
   ``l{i}.mlp.w1`` ``[H, F]``, ``l{i}.mlp.w2`` ``[F, H]``, and
   ``l{L+1}.lnf.gamma``, ``l{L+1}.lnf.beta``, ``l{L+1}.head.w`` ``[H, V]``
   (untied). Then, for Adam, ``{weight}.m`` and ``{weight}.v`` per weight;
@@ -71,7 +72,9 @@ Annotation contract (what parallelism transforms may rely on; checked by
   Every ``Reshape`` with a ``tp`` hint also has ``tp_axis``: the entry of its
   ``shape`` attr that a split of degree ``t`` divides by ``t``. Ops without
   ``tp`` work on whole (replicated) tensors. ``wqkv``'s columns are ordered
-  ``[N, 3, D]`` so that a contiguous column split splits whole heads.
+  ``[N, 3, D]`` (``wkv``'s ``[K, 2, D]``) so that a contiguous column split
+  splits whole heads. A Reshape whose ``tp_axis`` entry counts key / value
+  heads also has ``tp_dim="num_kv_heads"`` (what an error names).
 * **Outputs.** Training: ``loss``, then the updated weights in declaration
   order, then (Adam) ``{W}.m.new`` and ``{W}.v.new`` per weight, then (mixed
   precision) ``{W}.master.new`` per weight. Inference:
