@@ -21,6 +21,7 @@ Semantics:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -53,8 +54,8 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
     ins = tuple(v.type for v in op.inputs)
     outs = tuple(v.type for v in op.outputs)
     features = {k: float(v) for k, v in spec.features(op.attr_dict, ins, outs).cost_features().items()}
-    features["comm_volume"] /= topology.ring_channels(op.comm_group)  # rings side by side across nodes
-    a, b = topology.bottleneck_link(op.comm_group)
+    (a, b), channels = _group_link(topology, tuple(op.comm_group))
+    features["comm_volume"] /= channels  # rings side by side across nodes
     return {
         d: float(
             op_seconds(
@@ -69,6 +70,12 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
         )
         for d in op.devices
     }
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_link(topology: Topology, group: tuple) -> tuple[tuple[int, int], float]:
+    """A group's bottleneck link and ring channels (a program repeats a few groups)."""
+    return topology.bottleneck_link(group), topology.ring_channels(group)
 
 
 def reference_simulate(
