@@ -326,12 +326,7 @@ def dgx_h200(num_nodes: int = 1, dtype: str = "bf16") -> Topology:
     port per GPU = 50 GB/s each way between nodes (8 us). Kernel launch
     overhead 5 us (an assumption).
 
-    Args:
-      num_nodes: how many DGX H200 nodes; devices ``8k..8k+7`` are node ``k``.
-      dtype: one of ``"f32"``, ``"tf32"``, ``"f16"``, ``"bf16"``.
-
-    Returns:
-      A `Topology` with ``8 * num_nodes`` devices.
+    Arguments and result as :func:`dgx_h100`'s.
     """
     num_nodes = _positive_int("dgx-h200", "num_nodes", num_nodes)
     return _build("dgx-h200", 8 * num_nodes, dtype)
@@ -348,12 +343,7 @@ def dgx_b200(num_nodes: int = 1, dtype: str = "bf16") -> Topology:
     way between nodes (8 us). Kernel launch overhead 5 us (an assumption).
     FP8 and FP4, which Blackwell also runs, are not among the compute dtypes.
 
-    Args:
-      num_nodes: how many DGX B200 nodes; devices ``8k..8k+7`` are node ``k``.
-      dtype: one of ``"f32"``, ``"tf32"``, ``"f16"``, ``"bf16"``.
-
-    Returns:
-      A `Topology` with ``8 * num_nodes`` devices.
+    Arguments and result as :func:`dgx_h100`'s.
     """
     num_nodes = _positive_int("dgx-b200", "num_nodes", num_nodes)
     return _build("dgx-b200", 8 * num_nodes, dtype)
