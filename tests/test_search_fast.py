@@ -762,9 +762,11 @@ def test_data_parallel_groups_across_nodes_match_the_exact_engine():
         schedules=("1f1b",),
         zero=(False, True),
         overlap_grad_comm=(False, True),
+        sequence_parallel=(False, True),  # mode "sync_tp": the updates' tensor syncs apart
         optimizer="adam",
     )
     configs = [c for c in enumerate_configs(space) if c.valid]
+    assert any(c.sequence_parallel and c.tensor > 1 and not c.overlap_grad_comm for c in configs)
     channels = {
         c.config_id: data_parallel_channels(c.topology(), c.pipeline, c.tensor, c.data).max() for c in configs
     }
