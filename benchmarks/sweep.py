@@ -92,16 +92,21 @@ def time_loop(configs) -> list[float]:
     return seconds
 
 
-def cold_sweep_seconds(models) -> float:
-    """Seconds of one more sweep of the grid, in a fresh Python process (so nothing
-    the earlier sweeps built or compiled is warm), timed like :func:`time_sweep`."""
+def _in_fresh_process(statement: str) -> float:
+    """The number ``statement`` prints, run in a fresh Python process with this
+    folder importable and a JAX backend started (so nothing this process built
+    or compiled is warm there)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (
-        f"import sys; sys.path.insert(0, {here!r}); import jax; jax.devices(); "
-        f"from sweep import mlp_grid, time_sweep; print(time_sweep(mlp_grid({tuple(models)!r}))[0])"
-    )
+    code = f"import sys; sys.path.insert(0, {here!r}); import jax; jax.devices(); {statement}"
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return float(done.stdout.split()[-1])
+
+
+def cold_sweep_seconds(models) -> float:
+    """Seconds of one more sweep of the grid, in a fresh Python process, timed like :func:`time_sweep`."""
+    return _in_fresh_process(
+        f"from sweep import mlp_grid, time_sweep; print(time_sweep(mlp_grid({tuple(models)!r}))[0])"
+    )
 
 
 def part_a(quick: bool, loop_samples: int, repeats: int) -> float:
@@ -170,19 +175,17 @@ def gpt3_configs_per_second(quick: bool, repeats: int) -> float:
     median of ``repeats`` cold runs (the first in this process, the others in
     fresh ones: nothing the first built is warm there), as part (a) times its
     sweeps: one run's rate moves by ~10% with the VM's drift."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sweep_gpt3 import gpt3_configs_per_second as measure
 
     rates = [float(measure(quick)["configs_per_second"])]
-    code = (
-        f"import sys; sys.path.insert(0, {here!r}); import jax; jax.devices(); "
-        f"from sweep_gpt3 import gpt3_configs_per_second as m; "
-        f"print(m({quick!r}, verbose=False)['configs_per_second'])"
-    )
     for _ in range(repeats - 1):
-        done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-        rates.append(float(done.stdout.split()[-1]))
+        rates.append(
+            _in_fresh_process(
+                "from sweep_gpt3 import gpt3_configs_per_second as m; "
+                f"print(m({quick!r}, verbose=False)['configs_per_second'])"
+            )
+        )
     rate = float(np.median(rates))
     print(
         f"  end to end: {rate:.4g} configurations/s, median of {len(rates)} cold runs: "

@@ -189,7 +189,7 @@ def lower(fn: Function, topology: Topology, *, num_streams: int | None = None) -
         cached = link_cache.get(group)
         if cached is None:
             topology.check_devices(group, f"op #{i} {op.op_type}'s group")
-            cached = link_cache[group] = (topology.bottleneck_link(group), topology.ring_channels(group))
+            cached = link_cache[group] = topology.collective_link(group)
         link, channels = cached
         if channels != 1.0:  # rings side by side across nodes (Topology.ring_channels)
             values = dict(values, comm_volume=values["comm_volume"] / channels)

@@ -54,7 +54,7 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
     ins = tuple(v.type for v in op.inputs)
     outs = tuple(v.type for v in op.outputs)
     features = {k: float(v) for k, v in spec.features(op.attr_dict, ins, outs).cost_features().items()}
-    (a, b), channels = _group_link(topology, tuple(op.comm_group))
+    (a, b), channels = _collective_link(topology, tuple(op.comm_group))
     features["comm_volume"] /= channels  # rings side by side across nodes
     return {
         d: float(
@@ -72,10 +72,8 @@ def op_costs(op: Op, topology: Topology) -> dict[int, float]:
     }
 
 
-@functools.lru_cache(maxsize=4096)
-def _group_link(topology: Topology, group: tuple) -> tuple[tuple[int, int], float]:
-    """A group's bottleneck link and ring channels (a program repeats a few groups)."""
-    return topology.bottleneck_link(group), topology.ring_channels(group)
+# A program repeats a few groups: each one's link is found once.
+_collective_link = functools.lru_cache(maxsize=4096)(Topology.collective_link)
 
 
 def reference_simulate(

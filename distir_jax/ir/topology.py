@@ -141,6 +141,16 @@ class Topology:
             return (devices[0], devices[0])
         return min(_ring_hops(devices), key=lambda ab: (self.link_bandwidth[ab], -self.link_latency[ab]))
 
+    def collective_link(self, devices: Sequence[int]) -> tuple[tuple[int, int], float]:
+        """``(bottleneck_link, ring_channels)`` of a collective over ``devices``,
+        the bottleneck found once: what a collective is costed on."""
+        devices = [int(d) for d in devices]
+        link = self.bottleneck_link(devices)
+        a, b = link
+        if len(devices) < 2 or self.node_of_device[a] == self.node_of_device[b]:
+            return link, 1.0
+        return link, float(np.unique(self.node_of_device[devices], return_counts=True)[1].min())
+
     def ring_channels(self, devices: Sequence[int]) -> float:
         """How many times its bottleneck link's bandwidth a collective over ``devices`` gets.
 
@@ -151,21 +161,15 @@ class Topology:
         (:meth:`bottleneck_link`), the network carries ``m`` ports' bandwidth.
         1 for a group in one node, with one member in some node, or whose
         slowest hop is inside a node. Costs divide a collective's bytes by it
-        (``lower``, the reference simulator, the coarse programs).
+        (``lower``, the reference simulator, the coarse programs; all through
+        :meth:`collective_link`).
 
         It assumes the links inside a node keep up with ``m`` ports (every
         preset's do: DGX A100 8 x 25 GB/s against 300, H100 and H200 8 x 50
         against 450, B200 8 x 50 against 900); a whole number, so a step time
         stays a function of the bottleneck link's figures (calibration and
         sensitivities differentiate it)."""
-        devices = [int(d) for d in devices]
-        if len(devices) < 2:
-            return 1.0
-        nodes = self.node_of_device[devices]
-        a, b = self.bottleneck_link(devices)
-        if self.node_of_device[a] == self.node_of_device[b]:
-            return 1.0
-        return float(np.unique(nodes, return_counts=True)[1].min())
+        return self.collective_link(devices)[1]
 
 
 def _ring_hops(devices: list[int]) -> list[tuple[int, int]]:

@@ -864,10 +864,15 @@ def stage_devices(topology: Topology, pipeline: int, tensor: int, data: int):
         )
     device = np.arange(p) * t
     tp = np.asarray([topology.bottleneck_link(list(range(s * t, s * t + t))) for s in range(p)], np.int32)
-    dp = np.asarray(
-        [topology.bottleneck_link([r * p * t + s * t for r in range(d)]) for s in range(p)], np.int32
-    )
+    dp = np.asarray([topology.bottleneck_link(group) for group in _data_parallel_groups(p, t, d)], np.int32)
     return device.astype(np.int32), tp.reshape(p, 2), dp.reshape(p, 2)
+
+
+def _data_parallel_groups(pipeline: int, tensor: int, data: int) -> list[list[int]]:
+    """Each stage's representative's data-parallel group (rank ``r`` of stage ``s``:
+    device ``r p t + s t``, as the transforms lay replicas out)."""
+    p, t, d = pipeline, tensor, data
+    return [[r * p * t + s * t for r in range(d)] for s in range(p)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -876,8 +881,7 @@ def data_parallel_channels(topology: Topology, pipeline: int, tensor: int, data:
     (the groups of :func:`stage_devices`' ``dp_link``): what its collectives' bytes are divided by.
     Tensor-parallel collectives need none here: the features measure them on a
     group laid out as every stage's (``lower`` divides them already). Read only."""
-    p, t, d = pipeline, tensor, data
-    out = np.asarray([topology.ring_channels([r * p * t + s * t for r in range(d)]) for s in range(p)])
+    out = np.asarray([topology.ring_channels(g) for g in _data_parallel_groups(pipeline, tensor, data)])
     out.setflags(write=False)
     return out
 
