@@ -618,6 +618,38 @@ def test_event_tops_raise_peaks_as_bytes_added_there(steady):
     assert np.all(want[::2, stages] > peak[::2, stages]) and np.any(want[1::2] == peak[1::2])
 
 
+@pytest.mark.parametrize("steady", [False, True])
+def test_event_peaks_from_whole_byte_counts_in_int64_are_the_same_floats(steady):
+    """``event_stage_peaks`` on int64 tables (``exact_integers``, what sweeps pass for
+    byte counts): peaks and event tops bit for bit as from float64 ones."""
+    from distir_jax.transforms.coarse_steady import steady_template
+
+    found = steady_template(4, 40, 2, "interleaved", "overlap_zero") if steady else None
+    template = found.template if steady else pipeline_template(4, 8, 2, "interleaved", "overlap_zero")
+    starts = template.stage_runs[1]
+    rng = np.random.default_rng(5)
+    rows, num_events = 5, len(template.stage_events[0])
+    net = rng.integers(-(2**40), 2**40, (rows, num_events)).astype(np.float64)
+    free = rng.integers(0, 2**40, (rows, num_events)).astype(np.float64)
+    resident = rng.integers(0, 2**45, (rows, 4)).astype(np.float64)
+    events = starts[1:] + 1
+    whole = coarse_program.exact_integers(net, free)
+    assert all(x.dtype == np.int64 for x in whole)
+    kwargs = dict(extra_periods=np.arange(rows) % 3 if steady else None, events=events)
+    want = coarse_program.event_stage_peaks(template, net.copy(), free.copy(), resident, found, **kwargs)
+    got = coarse_program.event_stage_peaks(template, *(x.copy() for x in whole), resident, found, **kwargs)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_exact_integers_keeps_fractions_and_huge_numbers_as_floats():
+    whole, half = np.array([[3.0, -2.0]]), np.array([[1.5, 2.0]])
+    assert [x.dtype for x in coarse_program.exact_integers(whole, whole)] == [np.int64, np.int64]
+    for other in (half, np.array([[2.0**53, 0.0]])):
+        kept = coarse_program.exact_integers(whole, other)
+        assert kept[0] is whole and kept[1] is other  # both stay float64: one dtype for the pair
+
+
 def test_coarsen_rejects_groups_on_different_links():
     # Tensor-parallel all-reduces (inside a node) and data-parallel ones (across nodes) in one group.
     fine, _ = fine_program(2, "none", 2, 4, 1, "1f1b", 2, False, False, (2, 2))
