@@ -1003,9 +1003,8 @@ def exact_integers(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     faster, as NumPy adds up int64 rows ~8x faster than float64 ones (whose
     running sums are a serial chain of float additions)."""
     whole = [x.astype(np.int64) for x in arrays]
-    if all(np.array_equal(w, x) and (x.size == 0 or np.abs(x).max() < 2.0**53) for w, x in zip(whole, arrays)):
-        return tuple(whole)
-    return arrays
+    exact = (np.array_equal(w, x) and np.abs(x).max(initial=0) < 2.0**53 for w, x in zip(whole, arrays))
+    return tuple(whole) if all(exact) else arrays
 
 
 def event_stage_peaks(
