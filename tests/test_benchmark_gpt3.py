@@ -179,8 +179,8 @@ def test_packed_tables_only_for_devices_of_one_speed(small_gpt):
     rows = sweep_gpt3._Rows(model, topology, configs)
     with jax.enable_x64(True):
         hw_rows = hardware_rows(hardware, True, xp=np)
-        packed, link_bytes, link_latency = sweep_gpt3._packed_tables(rows, hw_rows)
-        assert packed.shape == (len(rows.cost), 3)
+        *own, link_bytes, link_latency = sweep_gpt3._packed_tables(rows, hw_rows)
+        assert [x.shape for x in own] == [(len(rows.cost),)] * 3  # compute seconds, hops, bytes
         assert link_bytes.shape == link_latency.shape == (len(rows.stages) * sweep_gpt3._LINK_CLASSES,)
         slower = dataclasses.replace(hardware, peak_flops=hardware.peak_flops * np.linspace(1.0, 2.0, 16))
         assert sweep_gpt3._packed_tables(rows, hardware_rows(slower, True, xp=np)) is None
