@@ -1002,9 +1002,10 @@ def exact_integers(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     then gives the same floats (float64 sums of such numbers are exact) ~4x
     faster, as NumPy adds up int64 rows ~8x faster than float64 ones (whose
     running sums are a serial chain of float additions)."""
-    whole = [x.astype(np.int64) for x in arrays]
-    exact = (np.array_equal(w, x) and np.abs(x).max(initial=0) < 2.0**53 for w, x in zip(whole, arrays))
-    return tuple(whole) if all(exact) else arrays
+    limit = 2.0**53
+    small = all(x.size == 0 or (x.max() < limit and x.min() > -limit) for x in arrays)  # cheaper than abs
+    whole = [x.astype(np.int64) for x in arrays] if small else []
+    return tuple(whole) if small and all(np.array_equal(w, x) for w, x in zip(whole, arrays)) else arrays
 
 
 def event_stage_peaks(
