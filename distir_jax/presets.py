@@ -7,7 +7,10 @@ Conventions used throughout:
 * Peak FLOP/s are *dense* figures (no structured sparsity) for the chosen
   compute dtype: ``"f32"`` (plain FP32 CUDA cores), ``"tf32"`` (TF32 tensor
   cores, Ampere and newer), ``"f16"`` and ``"bf16"`` (tensor cores with FP32
-  accumulate; Volta has no bf16).
+  accumulate; Volta has no bf16). GPUs with FP8 tensor cores (Hopper and
+  newer) also list ``"fp8"``, which is not a model dtype: training precision
+  ``"mixed-fp8"`` runs a bf16 / f16 model's linear layers on them
+  (:func:`fp8_problem`).
 * Link bandwidths are *one direction*; vendors usually quote the sum of both
   directions (e.g. "600 GB/s NVLink"), which we halve.
 * A datasheet "GB" is taken as 1e9 bytes. The physical parts hold binary
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -92,7 +96,7 @@ KERNEL_LAUNCH_OVERHEAD = 5e-6
 
 @dataclasses.dataclass(frozen=True)
 class _GpuSpec:
-    """One GPU model: dense peak FLOP/s per dtype, and its memory."""
+    """One GPU model: dense peak FLOP/s per dtype (and ``"fp8"``), and its memory."""
 
     model: str
     peak_flops: Mapping[str, float]
@@ -129,6 +133,7 @@ _V100_PCIE_16GB = _GpuSpec(
     unsupported={
         "bf16": "V100 (Volta) has no bf16 tensor cores; use 'f16' or 'f32'",
         "tf32": "TF32 tensor cores arrived with Ampere (A100); V100 supports 'f32' and 'f16'",
+        "fp8": "V100 (Volta) has no FP8 tensor cores (they arrived with Hopper, H100)",
     },
 )
 
@@ -140,18 +145,19 @@ _A100_SXM_80GB = _GpuSpec(
     peak_flops={"f32": 19.5e12, "tf32": 156e12, "f16": 312e12, "bf16": 312e12},
     memory_bandwidth=2039e9,
     memory_capacity=80e9,
-    unsupported={},
+    unsupported={"fp8": "A100 (Ampere) has no FP8 tensor cores (they arrived with Hopper, H100)"},
 )
 
 # NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), table comparing
 # A100 and H100, "H100 SXM5" column: FP32 66.9 TFLOPS, TF32 Tensor 494.7,
 # FP16 / BF16 Tensor 989.4 TFLOPS dense (989.4 / 1978.9 with sparsity). The
 # NVIDIA H100 Tensor Core GPU datasheet rounds these to 67 and quotes only the
-# sparse tensor figures (989 / 1,979), i.e. twice the dense ones. Memory per the
-# datasheet, "H100 SXM" column: 80 GB HBM3 at 3.35 TB/s.
+# sparse tensor figures (989 / 1,979), i.e. twice the dense ones; FP8 Tensor
+# 1978.9 TFLOPS dense (3957.8 sparse). Memory per the datasheet, "H100 SXM"
+# column: 80 GB HBM3 at 3.35 TB/s.
 _H100_SXM_80GB = _GpuSpec(
     model="H100",
-    peak_flops={"f32": 66.9e12, "tf32": 494.7e12, "f16": 989.4e12, "bf16": 989.4e12},
+    peak_flops={"f32": 66.9e12, "tf32": 494.7e12, "f16": 989.4e12, "bf16": 989.4e12, "fp8": 1978.9e12},
     memory_bandwidth=3.35e12,
     memory_capacity=80e9,
     unsupported={},
@@ -166,11 +172,12 @@ _H200_SXM_141GB = dataclasses.replace(
 )
 
 # NVIDIA HGX B200 specifications (per GPU, 1,000 W): FP32 75 TFLOPS, TF32
-# Tensor 2.2 PFLOPS and FP16 / BF16 Tensor 4.5 PFLOPS *with sparsity*, halved
-# here (1.1 and 2.25 PFLOPS dense), 180 GB HBM3e at 7.7 TB/s.
+# Tensor 2.2 PFLOPS, FP16 / BF16 Tensor 4.5 PFLOPS and FP8 Tensor 9 PFLOPS
+# *with sparsity*, halved here (1.1, 2.25 and 4.5 PFLOPS dense), 180 GB HBM3e
+# at 7.7 TB/s.
 _B200_180GB = _GpuSpec(
     model="B200",
-    peak_flops={"f32": 75e12, "tf32": 1.1e15, "f16": 2.25e15, "bf16": 2.25e15},
+    peak_flops={"f32": 75e12, "tf32": 1.1e15, "f16": 2.25e15, "bf16": 2.25e15, "fp8": 4.5e15},
     memory_bandwidth=7.7e12,
     memory_capacity=180e9,
     unsupported={},
@@ -461,6 +468,27 @@ def register_calibrated_preset(name: str, base: str, scales: Mapping[str, float]
         return _build(name, _NODES[name].gpus_per_node * num_nodes, dtype)
 
     PRESETS[name] = constructor
+
+
+def fp8_problem(preset: str, dtype: str) -> str:
+    """Why ``preset``'s GPUs (``"name"`` or ``"name:N"``) cannot run a ``dtype``
+    model's GEMMs in FP8 (training precision ``"mixed-fp8"``), or ``""``. The
+    cost model charges an FP8 GEMM half its flops at ``dtype``'s peak, so the
+    GPU's FP8 tensor cores must run at exactly twice that peak (as on H100,
+    H200 and B200)."""
+    name = preset.partition(":")[0]
+    if name not in _NODES:
+        return f"unknown preset {name!r}; expected one of {sorted(_NODES)}"
+    gpu = _NODES[name].gpu
+    if "fp8" in gpu.unsupported:
+        return f"{name}: training_precision 'mixed-fp8' needs FP8 tensor cores: {gpu.unsupported['fp8']}"
+    fp8, half = gpu.peak_flops.get("fp8"), gpu.peak_flops.get(dtype)
+    if fp8 is None or half is None or not math.isclose(fp8, 2 * half, rel_tol=1e-3):
+        return (
+            f"{name}: training_precision 'mixed-fp8' needs FP8 tensor cores at twice the {dtype} peak "
+            f"(the {gpu.model}'s figures: fp8 {fp8}, {dtype} {half} FLOP/s)"
+        )
+    return ""
 
 
 def datasheet_peak_flops(preset: str, dtype: str) -> float:

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Union
 
 from distir_jax.models import MLPConfig, TransformerConfig, get_model_config
 from distir_jax.models.config import HALF_DTYPES, PRECISIONS, precisions_for
-from distir_jax.presets import get_preset, preset_names
+from distir_jax.presets import fp8_problem, get_preset, preset_names
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "attention", "full")
@@ -530,6 +530,10 @@ def constraint_reason(config: Config) -> str:
         config.topology()
     except ValueError as err:
         return _one_line(err)
+    if config.training_precision == "mixed-fp8":
+        problem = fp8_problem(config.preset, HARDWARE_DTYPE.get(config.dtype, config.dtype))
+        if problem:
+            return problem
     model = config.model_config
     # Stages may hold unequal layer counts (the pipeline transform balances
     # them), so layers need not divide evenly; ParallelConfig.validate checks

@@ -216,12 +216,12 @@ def test_annotation_contract(config, optimizer):
             assert (op.attr("tp") is None) == (op.attr("tp_axis") is None)
 
 
-@pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half"])
+@pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half", "mixed-fp8"])
 @pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
 def test_training_precisions_keep_the_contract(config, precision):
-    """bf16: "mixed" casts each weight's gradient to f32 right after the op computing it
-    (the cast carries grad_of); the others keep it in bf16. Master copies come with
-    "mixed" and "mixed-half-grads", last among the outputs."""
+    """bf16: "mixed" (and "mixed-fp8") casts each weight's gradient to f32 right after
+    the op computing it (the cast carries grad_of); the others keep it in bf16. Master
+    copies come with all but "half", last among the outputs."""
     config = dataclasses.replace(config, dtype="bf16", training_precision=precision)
     assert config.resolved_precision == precision
     fn = builders(config)[0](config, BATCH, optimizer="adam")
@@ -231,14 +231,14 @@ def test_training_precisions_keep_the_contract(config, precision):
     for w, (op_index, out_index) in gradient_ops(fn).items():
         op = fn.ops[op_index]
         assert op.outputs[out_index].name == f"{w}.grad" and op.attr("phase") == "bwd"
-        if precision == "mixed":
+        if precision in ("mixed", "mixed-fp8"):
             assert op.op_type == "Cast" and op.outputs[0].type.dtype == "f32"
             source = fn.ops[producers[op.inputs[0].name]]
             assert op.inputs[0].name == f"{w}.grad.bf16" and source.attr("grad_of") is None
             assert (source.attr("layer"), source.attr("phase")) == (op.attr("layer"), op.attr("phase"))
         else:
             assert op.op_type != "Cast" and op.outputs[out_index].type.dtype == "bf16"
-    assert (precision == "mixed") == any(op.op_type == "Cast" for op in fn.ops)
+    assert (precision in ("mixed", "mixed-fp8")) == any(op.op_type == "Cast" for op in fn.ops)
     masters = [f"{w}.master.new" for w in weights] if precision != "half" else []
     outputs = [v.name for v in fn.outputs]
     assert (
@@ -378,7 +378,7 @@ def test_size_variants_give_per_variant_features(config):
         (lambda: MLPConfig(2, 8, training_precision="mixed"), r"f32 models train in precision 'full'"),
         (
             lambda: dataclasses.replace(TINY_GPT, dtype="bf16", training_precision="full"),
-            r"bf16 models train in precision 'mixed' or 'mixed-half-grads' or 'half'.*'full'",
+            r"bf16 models train in precision 'mixed' or 'mixed-half-grads' or 'half' or 'mixed-fp8'.*'full'",
         ),
         (lambda: models.mlp_training_step(TINY_MLP, 0), r"batch_size=0"),
         (lambda: models.transformer_inference(TINY_GPT, np.array([2, 0])), r"batch_size=array\(\[2, 0\]\)"),
@@ -495,3 +495,42 @@ def test_a_name_keeps_its_model(model_registry):
         models.register_model("other", {"num_layers": 2})
     with pytest.raises(ValueError, match=r"unknown model name='yours'.*register_model"):
         models.get_model_config("yours")
+
+
+# FP8 GEMMs of each tiny model: the MLP's 3 layers forward and their weight
+# gradients, the last 2's data gradients; each GPT block's 4 projections (GQA:
+# 5, queries and keys / values apart) forward, data and weight gradient.
+@pytest.mark.parametrize(
+    "config, gemms",
+    [(TINY_MLP, 3 + 3 + 2), (TINY_GPT, 2 * 4 * 3), (TINY_GQA, 2 * 5 * 3)],
+    ids=["mlp", "gpt", "gqa"],
+)
+def test_mixed_fp8_runs_the_linear_layers_gemms_in_fp8(config, gemms):
+    """Training precision "mixed-fp8" is "mixed" with the MatMuls tensor parallelism
+    splits by columns or rows (forward, data and weight gradients) marked FP8: half
+    their flops at the bf16 peak, 1-byte operands; attention's batched matmuls and the
+    LM head stay bf16, and model flops (MFU's numerator) are the GEMMs' own."""
+    from distir_jax.ir.registry import op_features
+    from distir_jax.models.flops import model_flops_per_sample
+
+    mixed, fp8 = (
+        dataclasses.replace(config, dtype="bf16", training_precision=p) for p in ("mixed", "mixed-fp8")
+    )
+    build = builders(mixed)[0]
+    a, b = build(mixed, BATCH, optimizer="adam"), build(fp8, BATCH, optimizer="adam")
+    assert len(a.ops) == len(b.ops)
+    marked = 0
+    for x, y in zip(a.ops, b.ops, strict=True):
+        assert (x.op_type, [v.type for v in x.outputs]) == (y.op_type, [v.type for v in y.outputs])
+        linear = x.op_type == "MatMul" and x.attr("tp") in ("col", "row")
+        assert bool(y.attr("fp8", False)) == linear and x.attr("fp8") is None
+        fx, fy = op_features(x), op_features(y)
+        if linear:
+            marked += 1
+            np.testing.assert_array_equal(np.asarray(fy.flops) * 2, fx.flops)
+            ins = sum(np.asarray(v.type.num_elements) for v in y.inputs)  # 1 byte each
+            np.testing.assert_array_equal(fy.mem_bytes, ins + y.outputs[0].type.num_bytes)
+        else:
+            assert (fx.flops, fx.mem_bytes) == (fy.flops, fy.mem_bytes)
+    assert marked == gemms
+    assert model_flops_per_sample(fp8) == model_flops_per_sample(mixed)

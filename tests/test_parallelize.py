@@ -31,8 +31,14 @@ CONFIGS = {
     # Grouped-query attention: 4 query heads share 2 key / value heads.
     "gqa": dataclasses.replace(GPT, num_heads=4, num_kv_heads=2),
 }
-PRECISION_CASES = {"mixed": "gpt-bf16", "mixed-half-grads": "gpt-bf16-half-grads", "half": "gpt-bf16-half"}
+PRECISION_CASES = {
+    "mixed": "gpt-bf16",
+    "mixed-half-grads": "gpt-bf16-half-grads",
+    "half": "gpt-bf16-half",
+    "mixed-fp8": "gpt-bf16-fp8",
+}
 CONFIGS["gpt-bf16-half-grads"] = dataclasses.replace(GPT, dtype="bf16", training_precision="mixed-half-grads")
+CONFIGS["gpt-bf16-fp8"] = dataclasses.replace(GPT, dtype="bf16", training_precision="mixed-fp8")
 BATCH = 8
 
 
@@ -285,7 +291,7 @@ def test_training_precision_sets_state_and_gradient_dtypes(optimizer, precision)
         (4 if precision == "half" else 12) if optimizer == "adam" else (0 if precision == "half" else 4)
     )
     assert sum(int(t.num_bytes) for t in (*weights.values(), *state.values())) == (2 + state_bytes) * params
-    grad_dtype = "f32" if precision == "mixed" else "bf16"
+    grad_dtype = "f32" if precision in ("mixed", "mixed-fp8") else "bf16"
     state_bytes_held = {}
     for zero in (False, True):
         config = ParallelConfig(data=2, tensor=2, pipeline=2, microbatches=2, zero=zero)

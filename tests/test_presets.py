@@ -95,6 +95,25 @@ def test_h100_dense_is_half_the_sparse_datasheet_figure():
     assert presets.dgx_b200(dtype="tf32").peak_flops[0] == 2.2e15 / 2
 
 
+def test_fp8_gemms_need_fp8_tensor_cores_at_twice_the_half_precision_peak(monkeypatch):
+    """``fp8_problem``: training precision "mixed-fp8" charges an FP8 GEMM half its
+    flops at the model dtype's peak, so only GPUs whose FP8 peak is twice it run it
+    (H100 / H200 whitepaper: 1,978.9 dense TFLOPS; HGX B200: 9 PFLOPS sparse)."""
+    for name in ("dgx-h100", "dgx-h200:16", "dgx-b200"):
+        assert presets.fp8_problem(name, "bf16") == presets.fp8_problem(name, "f16") == ""
+    assert presets._NODES["dgx-b200"].gpu.peak_flops["fp8"] == 9e15 / 2
+    for registry in ("_NODES", "PRESETS"):  # the preset below lives in this test only
+        monkeypatch.setattr(presets, registry, dict(getattr(presets, registry)))
+    presets.register_calibrated_preset("h100-fp8-slow", "dgx-h100", {"peak_flops": 0.7})
+    assert presets.fp8_problem("h100-fp8-slow", "bf16") == ""  # one factor scales every peak
+    assert "A100 (Ampere) has no FP8 tensor cores" in presets.fp8_problem("dgx-a100-80gb:8", "bf16")
+    assert "V100 (Volta) has no FP8" in presets.fp8_problem("v100-pcie-4", "f16")
+    assert "twice the f32 peak" in presets.fp8_problem("dgx-h100", "f32")
+    assert "unknown preset 'tpu'" in presets.fp8_problem("tpu:8", "bf16")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):  # not a model dtype
+        presets.dgx_h100(dtype="fp8")
+
+
 def test_pcie3_bandwidth_is_one_direction():
     # ~15.75 GB/s each way; the datasheet's 32 GB/s counts both directions.
     assert presets.PCIE3_X16_BANDWIDTH == pytest.approx(15.75e9, rel=1e-3)

@@ -176,6 +176,48 @@ def test_one_configuration_in_detail_matches_the_reference_op_by_op(swept):
         assert (one.op_start <= one.op_finish).all() and len(one.op_start) == len(one.function.ops)
 
 
+def test_fp8_rows_are_the_reference_simulators_and_need_fp8_tensor_cores():
+    """Training precision "mixed-fp8" in a sweep: on H100s each row is its fine
+    program's reference simulation (FP8 GEMMs through tensor and sequence
+    parallelism, pipelines and recomputation), shorter than "mixed" on one GPU with
+    the same peak; on A100s the rows are invalid and say why."""
+    model = dataclasses.replace(TINY_GPT, dtype="bf16")
+    knobs = dict(model=model, global_batch_sizes=(8,), microbatches=(4,), recompute=("none", "full"))
+    space = StrategySpace(
+        hardware=("dgx-h100", "dgx-a100-80gb"),
+        world_sizes=(1, 4),
+        training_precision=("mixed", "mixed-fp8"),
+        sequence_parallel=(False, True),
+        schedules=("1f1b",),
+        **knobs,
+    )
+    configs = list(enumerate_configs(space))
+    table = evaluate(configs, progress=False)
+    checked = 0
+    for i, config in enumerate(configs):
+        if config.training_precision == "mixed-fp8" and config.preset.startswith("dgx-a100"):
+            assert table["status"][i] == "invalid" and "no FP8 tensor cores" in table["reason"][i]
+            continue
+        if table["status"][i] == "invalid" or (config.training_precision != "mixed-fp8" and checked % 3):
+            continue
+        reference = reference_simulate(*build_function(config))
+        np.testing.assert_allclose(
+            table["step_time_s"][i], reference.step_time, rtol=1e-9, err_msg=str(config)
+        )
+        assert table["peak_memory_bytes"][i] == max(reference.peak_memory.values())
+        checked += 1
+    assert checked >= 10
+    one = {
+        c.training_precision: i
+        for i, c in enumerate(configs)
+        if c.world_size == 1 and c.preset.startswith("dgx-h100") and c.recompute == "none"
+    }
+    fp8, mixed = one["mixed-fp8"], one["mixed"]
+    assert table["step_time_s"][fp8] < table["step_time_s"][mixed]
+    assert table["peak_memory_bytes"][fp8] == table["peak_memory_bytes"][mixed]
+    assert table["mfu"][fp8] > table["mfu"][mixed]  # the same model flops in less time
+
+
 def test_out_of_memory_rows_are_simulated_and_explained():
     # mlp-medium's weights alone (64 x 16384^2 x 4 bytes, ~69 GB) overflow a 16 GB V100.
     space = StrategySpace(model="mlp-medium", world_sizes=(1,), hardware="v100-pcie-4", dtype="f32")

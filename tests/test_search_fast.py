@@ -300,7 +300,7 @@ def test_a_long_pipeline_summarized_from_its_steady_program(steady_everywhere):
     ],
     ids=["pipeline-zero-overlap", "tensor-interleaved", "zero-sgd", "sequence-parallel-zero"],
 )
-@pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half"])
+@pytest.mark.parametrize("precision", ["mixed", "mixed-half-grads", "half", "mixed-fp8"])
 def test_half_precision_rows_are_the_fine_programs(knobs, precision):
     """A bf16 model in each training precision (f32 master copies, moments and
     gradient sums, or some of them in bf16): the fast engine's coarse program,
@@ -310,6 +310,8 @@ def test_half_precision_rows_are_the_fine_programs(knobs, precision):
     from search.single import make_config
 
     model = dataclasses.replace(TINY_GPT, dtype="bf16")
+    if precision == "mixed-fp8":  # FP8 tensor cores
+        knobs = dict(knobs, hardware="dgx-h100")
     config = make_config(model, batch_size=16, training_precision=precision, **knobs)
     assert config.training_precision == precision == config.model_config.resolved_precision
     _assert_summary_is_the_fine_programs(config)

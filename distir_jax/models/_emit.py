@@ -6,6 +6,7 @@ import math
 
 from distir_jax.ir.builder import FunctionBuilder
 from distir_jax.ir.function import Function, Value
+from distir_jax.models.config import F32_GRAD_PRECISIONS, MASTER_PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam")
 PHASES = ("fwd", "bwd", "opt")
@@ -39,8 +40,11 @@ class Emitter:
         self.precision = precision
         # Mixed precision sums and all-reduces weight gradients in f32: each is
         # cast as the backward emits it (Megatron-LM's main_grad).
-        self.grad_dtype = MASTER_DTYPE if precision == "mixed" else dtype
+        self.grad_dtype = MASTER_DTYPE if precision in F32_GRAD_PRECISIONS else dtype
         self.casts_grads = self.grad_dtype != dtype
+        # The linear layers' GEMMs (the MatMuls tensor parallelism splits by
+        # columns or rows, forward and backward) run in FP8 (config.PRECISIONS).
+        self.fp8 = precision == "mixed-fp8"
         self.layer = 0
         self.phase = "fwd"
         self.weights: list[Value] = []
@@ -62,6 +66,8 @@ class Emitter:
         return value
 
     def op(self, op_type: str, *inputs: Value, name=None, **attrs):
+        if self.fp8 and op_type == "MatMul" and attrs.get("tp") in ("col", "row"):
+            attrs["fp8"] = True
         return self.builder.add(op_type, *inputs, names=name, layer=self.layer, phase=self.phase, **attrs)
 
     def weight_grad(self, op_type: str, weight: Value, *inputs: Value, **attrs) -> Value:
@@ -121,7 +127,7 @@ def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
       The updated weights, then (Adam) each weight's new ``m`` and ``v``, then
       (mixed precision) each weight's new ``master``.
     """
-    mixed = em.precision in ("mixed", "mixed-half-grads")
+    mixed = em.precision in MASTER_PRECISIONS
     state = {}
     for w in em.weights:
         dtype = MASTER_DTYPE if mixed else w.type.dtype

@@ -24,9 +24,21 @@ HALF_DTYPES = ("bf16", "f16")
 #     all-reduce them (Megatron-LM's bf16 default: main_grad);
 #   "mixed-half-grads": the same, with gradients summed and all-reduced in the
 #     model dtype (Megatron-LM's f16 default, DeepSpeed's fp16);
-#   "half": with no master copy, optimizer state and gradients in the model dtype.
-PRECISIONS = ("full", "mixed", "mixed-half-grads", "half")
-HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half")
+#   "half": with no master copy, optimizer state and gradients in the model dtype;
+#   "mixed-fp8": "mixed", with the linear layers' GEMMs (forward, and the
+#     backward's data and weight gradients) in FP8 on FP8 tensor cores, as
+#     Transformer Engine runs them (attention's batched matmuls, the embedding
+#     and the LM head stay in the model dtype). Such a GEMM costs half its
+#     flops at the model dtype's peak (FP8 tensor cores run at twice the
+#     bf16 / f16 rate on every GPU that has them) and reads 1-byte operands;
+#     memory is counted as in "mixed" (Transformer Engine's FP8 copies of
+#     saved activations are not modelled: peaks are upper bounds).
+PRECISIONS = ("full", "mixed", "mixed-half-grads", "half", "mixed-fp8")
+HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half", "mixed-fp8")
+# Precisions with f32 master weights and optimizer state.
+MASTER_PRECISIONS = ("mixed", "mixed-half-grads", "mixed-fp8")
+# Precisions that sum and all-reduce gradients in f32.
+F32_GRAD_PRECISIONS = ("mixed", "mixed-fp8")
 
 
 def _check_positive_int(owner: str, name: str, value) -> None:

@@ -10,7 +10,8 @@ They are counted on the model's own program, not by a formula: every
 ``MatMul`` of the training step outside the optimizer phase, at the cost
 model's ``2 m n k``. For a GPT this is Narayanan et al.'s (2021)
 ``72 S L H^2 (1 + S / (6 H) + V / (12 H L))`` per sample, with the padded
-vocabulary ``V`` (tests check it).
+vocabulary ``V`` (tests check it). FP8 GEMMs (training precision
+``mixed-fp8``) count their flops, not the half the cost model charges them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def model_flops_per_sample(config) -> float:
 
     if isinstance(config, str):
         config = get_model_config(config)
+    if config.training_precision == "mixed-fp8":  # the same GEMMs: their flops, not their FP8 cost
+        config = dataclasses.replace(config, training_precision="mixed")
     layers = config.num_layers
     if layers <= _COUNTED_WHOLE:
         return _matmul_flops(config)
