@@ -31,8 +31,9 @@ HALF_DTYPES = ("bf16", "f16")
 #     and the LM head stay in the model dtype). Such a GEMM costs half its
 #     flops at the model dtype's peak (FP8 tensor cores run at twice the
 #     bf16 / f16 rate on every GPU that has them) and reads 1-byte operands;
-#     memory is counted as in "mixed" (Transformer Engine's FP8 copies of
-#     saved activations are not modelled: peaks are upper bounds).
+#     memory is counted as in "mixed": Transformer Engine's FP8 copies are not
+#     modelled (of the activations saved for the backward, which hold half the
+#     bytes, and of each weight and its transpose, ~2 bytes a parameter more).
 PRECISIONS = ("full", "mixed", "mixed-half-grads", "half", "mixed-fp8")
 HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half", "mixed-fp8")
 # Precisions with f32 master weights and optimizer state.
