@@ -999,7 +999,7 @@ def stage_peak_memory(
 def exact_integers(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """``arrays`` as int64 when every number in them is a whole number below
     ``2**53`` (byte counts are), else as they are: :func:`event_stage_peaks`
-    then gives the same floats (float64 sums of such numbers are exact) ~4x
+    then gives the same floats (float64 sums of such numbers are exact) ~3x
     faster, as NumPy adds up int64 rows ~8x faster than float64 ones (whose
     running sums are a serial chain of float additions)."""
     limit = 2.0**53
