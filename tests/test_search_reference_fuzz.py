@@ -4,7 +4,8 @@ The fixed spaces of test_search_evaluate.py and test_search_fast.py cover the
 knobs one by one; here a seeded generator mixes them (GPT and MLP models,
 dtypes, 1-8 GPUs and 3 or 6 (ZeRO's padded shards), every schedule, recompute,
 ZeRO, gradient overlap and sequence parallelism, three hardware presets, long
-pipelines that run as steady programs) and checks random rows of each sweep: step time, the
+pipelines that run as steady programs; and 8-16 Hopper / Blackwell GPUs with
+grouped-query attention and every training precision, FP8 included) and checks random rows of each sweep: step time, the
 busiest device's compute + communication and its bubble to 1e-9, peak memory
 exactly. (Such a fuzz found float64 sweeps stacking their inputs in float32.)
 """
@@ -23,10 +24,16 @@ def _some(rng: np.random.Generator, values: list, most: int) -> tuple:
     return tuple(rng.choice(values, size=int(rng.integers(1, most + 1)), replace=False))
 
 
-def _random_space(rng: np.random.Generator, long: bool, odd: bool = False) -> StrategySpace:
+def _random_space(
+    rng: np.random.Generator, long: bool, odd: bool = False, wide: bool = False
+) -> StrategySpace:
     """A small space; ``long``: 1F1B / interleaved pipelines of 16 or 32 microbatches
     (steady programs, with the test's threshold); ``odd``: 3 or 6 GPUs (degrees of 3,
-    whose ZeRO shards pad every weight's rows)."""
+    whose ZeRO shards pad every weight's rows); ``wide``: 8 or 16 GPUs of the Hopper
+    and Blackwell presets (two nodes: rings per network port), grouped-query
+    attention and every training precision, FP8 included."""
+    if wide:
+        return _wide_space(rng)
     layers = int(rng.choice([4, 8] if long else [2, 4, 6, 8]))
     if rng.random() < 0.6:
         heads = int(rng.choice([3, 6] if odd else [2, 4]))
@@ -60,6 +67,35 @@ def _random_space(rng: np.random.Generator, long: bool, odd: bool = False) -> St
     )
 
 
+def _wide_space(rng: np.random.Generator) -> StrategySpace:
+    heads = int(rng.choice([2, 4, 8]))
+    model = TransformerConfig(
+        num_layers=int(rng.choice([2, 4])),
+        hidden=heads * 8,
+        num_heads=heads,
+        num_kv_heads=int(rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0])),
+        vocab_size=64,
+        seq_len=int(rng.choice([8, 16])),
+        dtype="bf16",
+    )
+    microbatches = tuple(sorted({int(m) for m in rng.choice([1, 2, 4], 2)}))
+    return StrategySpace(
+        model=model,
+        world_sizes=(int(rng.choice([8, 16])),),
+        global_batch_sizes=(16,),
+        microbatches=microbatches,
+        schedules=_some(rng, ["gpipe", "1f1b", "interleaved"], 3),
+        virtual_stages=(2,),
+        recompute=_some(rng, ["none", "attention", "full"], 2),
+        zero=(False, True),
+        overlap_grad_comm=(False, True),
+        sequence_parallel=(False, bool(rng.random() < 0.4)),
+        training_precision=_some(rng, ["mixed", "mixed-half-grads", "half", "mixed-fp8"], 2),
+        hardware=(str(rng.choice(["dgx-h100", "dgx-h200", "dgx-b200"])),),
+        optimizer=(str(rng.choice(["sgd", "adam"])),),
+    )
+
+
 def _busiest_device(reference) -> tuple[float, float]:
     """The reference's busiest device: its busy seconds (every stream) and its bubble
     (step time less its busiest stream's seconds), as the sweep's breakdown reports them."""
@@ -72,16 +108,23 @@ def _busiest_device(reference) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize(
-    "seed, long, odd",
-    [(0, False, False), (1, False, False), (2, True, False), (3, True, False), (4, False, True)],
+    "seed, long, odd, wide",
+    [
+        (0, False, False, False),
+        (1, False, False, False),
+        (2, True, False, False),
+        (3, True, False, False),
+        (4, False, True, False),
+        (5, False, False, True),
+    ],
 )
-def test_random_spaces_sweep_as_the_reference_simulates_each_row(seed, long, odd, monkeypatch):
+def test_random_spaces_sweep_as_the_reference_simulates_each_row(seed, long, odd, wide, monkeypatch):
     if long:  # steady programs from far fewer ops than in real sweeps (the same machinery)
         monkeypatch.setattr(coarse_steady, "MIN_LONG_OPS", 0)
     rng = np.random.default_rng(seed)
     checked = 0
     for _ in range(4 if long else 8):
-        configs = [c for c in enumerate_configs(_random_space(rng, long, odd)) if c.valid]
+        configs = [c for c in enumerate_configs(_random_space(rng, long, odd, wide)) if c.valid]
         if not configs:
             continue
         table = evaluate(configs, progress=False)  # float64
