@@ -499,17 +499,20 @@ def test_a_name_keeps_its_model(model_registry):
 
 # FP8 GEMMs of each tiny model: the MLP's 3 layers forward and their weight
 # gradients, the last 2's data gradients; each GPT block's 4 projections (GQA:
-# 5, queries and keys / values apart) forward, data and weight gradient.
+# 5, queries and keys / values apart) forward, data and weight gradient. A GPT
+# block casts its 4 linear layers' inputs to f8 (an MLP's are kept for ReluGrad).
 @pytest.mark.parametrize(
-    "config, gemms",
-    [(TINY_MLP, 3 + 3 + 2), (TINY_GPT, 2 * 4 * 3), (TINY_GQA, 2 * 5 * 3)],
+    "config, gemms, casts",
+    [(TINY_MLP, 3 + 3 + 2, 0), (TINY_GPT, 2 * 4 * 3, 2 * 4), (TINY_GQA, 2 * 5 * 3, 2 * 4)],
     ids=["mlp", "gpt", "gqa"],
 )
-def test_mixed_fp8_runs_the_linear_layers_gemms_in_fp8(config, gemms):
+def test_mixed_fp8_runs_the_linear_layers_gemms_in_fp8(config, gemms, casts):
     """Training precision "mixed-fp8" is "mixed" with the MatMuls tensor parallelism
     splits by columns or rows (forward, data and weight gradients) marked FP8: half
-    their flops at the bf16 peak, 1-byte operands; attention's batched matmuls and the
-    LM head stay bf16, and model flops (MFU's numerator) are the GEMMs' own."""
+    their flops at the bf16 peak, 1-byte operands; a block's linear layers read their
+    inputs cast to f8, and their weight gradients read those copies (what Transformer
+    Engine saves). Attention's batched matmuls and the LM head stay bf16, and model
+    flops (MFU's numerator) are the GEMMs' own."""
     from distir_jax.ir.registry import op_features
     from distir_jax.models.flops import model_flops_per_sample
 
@@ -518,10 +521,29 @@ def test_mixed_fp8_runs_the_linear_layers_gemms_in_fp8(config, gemms):
     )
     build = builders(mixed)[0]
     a, b = build(mixed, BATCH, optimizer="adam"), build(fp8, BATCH, optimizer="adam")
-    assert len(a.ops) == len(b.ops)
+    f8_casts = [op for op in b.ops if op.op_type == "Cast" and op.attr("dtype") == "f8"]
+    assert len(f8_casts) == casts and all(op.attr("phase") == "fwd" for op in f8_casts)
+    for op in f8_casts:  # an epilogue of its producer's kernel: no launch, the f8 bytes written
+        features = op_features(op)
+        assert (features.launches, features.flops) == (0, 0.0) and op.attr("fused") is True
+        np.testing.assert_array_equal(features.mem_bytes, op.outputs[0].type.num_elements)
+    cast_of = {op.outputs[0].name: op.inputs[0].name for op in f8_casts}
+    readers = {name: [op for op in b.ops if name in [v.name for v in op.inputs]] for name in cast_of}
+    for name, ops in readers.items():  # forward GEMMs, and (through a Reshape) the weights' gradients
+        kinds = sorted(
+            {"fp8 GEMM" if op.op_type == "MatMul" and op.attr("fp8") else op.op_type for op in ops}
+        )
+        assert kinds == ["Reshape", "fp8 GEMM"], (name, kinds)
+    kept = [op for op in b.ops if op not in f8_casts]
+    assert len(kept) == len(a.ops)
     marked = 0
-    for x, y in zip(a.ops, b.ops, strict=True):
-        assert (x.op_type, [v.type for v in x.outputs]) == (y.op_type, [v.type for v in y.outputs])
+    for x, y in zip(a.ops, kept, strict=True):
+        assert x.op_type == y.op_type
+        if x.op_type == "Reshape" and y.inputs[0].name in cast_of:  # the saved copy, for the gradient
+            (want,), (got,) = x.outputs, y.outputs
+            assert (got.type.shape, got.type.dtype) == (want.type.shape, "f8")
+            continue
+        assert [v.type for v in x.outputs] == [v.type for v in y.outputs]
         linear = x.op_type == "MatMul" and x.attr("tp") in ("col", "row")
         assert bool(y.attr("fp8", False)) == linear and x.attr("fp8") is None
         fx, fy = op_features(x), op_features(y)

@@ -179,8 +179,9 @@ def test_one_configuration_in_detail_matches_the_reference_op_by_op(swept):
 def test_fp8_rows_are_the_reference_simulators_and_need_fp8_tensor_cores():
     """Training precision "mixed-fp8" in a sweep: on H100s each row is its fine
     program's reference simulation (FP8 GEMMs through tensor and sequence
-    parallelism, pipelines and recomputation), shorter than "mixed" on one GPU with
-    the same peak; on A100s the rows are invalid and say why."""
+    parallelism, pipelines and recomputation), shorter than "mixed" on one GPU and
+    in less memory (the linear layers' saved inputs are f8); on A100s the rows are
+    invalid and say why."""
     model = dataclasses.replace(TINY_GPT, dtype="bf16")
     knobs = dict(model=model, global_batch_sizes=(8,), microbatches=(4,), recompute=("none", "full"))
     space = StrategySpace(
@@ -214,7 +215,7 @@ def test_fp8_rows_are_the_reference_simulators_and_need_fp8_tensor_cores():
     }
     fp8, mixed = one["mixed-fp8"], one["mixed"]
     assert table["step_time_s"][fp8] < table["step_time_s"][mixed]
-    assert table["peak_memory_bytes"][fp8] == table["peak_memory_bytes"][mixed]
+    assert table["peak_memory_bytes"][fp8] < table["peak_memory_bytes"][mixed]  # f8 saved inputs
     assert table["mfu"][fp8] > table["mfu"][mixed]  # the same model flops in less time
 
 

@@ -5,9 +5,10 @@ knobs one by one; here a seeded generator mixes them (GPT and MLP models,
 dtypes, 1-8 GPUs and 3 or 6 (ZeRO's padded shards), every schedule, recompute,
 ZeRO, gradient overlap and sequence parallelism, three hardware presets, long
 pipelines that run as steady programs; and 8-16 Hopper / Blackwell GPUs with
-grouped-query attention and every training precision, FP8 included) and checks random rows of each sweep: step time, the
-busiest device's compute + communication and its bubble to 1e-9, peak memory
-exactly. (Such a fuzz found float64 sweeps stacking their inputs in float32.)
+grouped-query attention and every training precision, FP8 included) and
+checks random rows of each sweep: step time, the busiest device's compute +
+communication and its bubble to 1e-9, peak memory exactly. (Such a fuzz found
+float64 sweeps stacking their inputs in float32.)
 """
 
 import numpy as np

@@ -298,7 +298,7 @@ PARSE_ERRORS = [
         "func @f(%x) {\n  %y Relu(%x)\n  return\n}",
         r"line 2, col 6: expected ',' or '=' after result %y",
     ),
-    ("unknown dtype", "func @f(%x: Tensor[8; f8; d0]) {\n  return\n}", r"line 1, col 23: unknown dtype 'f8'"),
+    ("unknown dtype", "func @f(%x: Tensor[8; f4; d0]) {\n  return\n}", r"line 1, col 23: unknown dtype 'f4'"),
     (
         "dangling x",
         "func @f(%x: Tensor[8x; f32; d0]) {\n  return\n}",

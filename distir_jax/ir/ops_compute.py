@@ -20,7 +20,7 @@ from distir_jax.ir.shape_rules import (
 )
 from distir_jax.ir.types import TensorType, dims_equal
 
-FLOAT_DTYPES = ("f64", "f32", "f16", "bf16")
+FLOAT_DTYPES = ("f64", "f32", "f16", "bf16", "f8")
 INT_DTYPES = ("i64", "i32")
 
 
@@ -107,7 +107,15 @@ def _matmul_infer(attrs, ins):
     a, b = ins
     require_rank(a, 2, "MatMul operand a")
     require_rank(b, 2, "MatMul operand b")
-    dtype = require_same_dtype(ins)
+    if attrs.get("fp8", False):  # operands in f8 or in the dtype of the result (cast as loaded)
+        dtypes = {a.dtype, b.dtype} - {"f8"}
+        if len(dtypes) != 1:
+            raise OpError(
+                f"an FP8 MatMul reads f8 operands and ones in its result's dtype, got {a.dtype}, {b.dtype}"
+            )
+        (dtype,) = dtypes
+    else:
+        dtype = require_same_dtype(ins)
     sa, sb = _matmul_operand_shapes(attrs, a, b)
     if not dims_equal(sa[-1], sb[-2]):
         raise OpError(
@@ -278,14 +286,23 @@ def _cast_infer(attrs, ins):
     return (TensorType(x.shape, dtype, x.device),)
 
 
+def _cast_features(attrs, ins, outs):
+    if attrs.get("fused", False):
+        # An epilogue of the kernel that produced the operand (Transformer Engine
+        # casts a LayerNorm's or a GeLU's output to FP8 as it writes it): no
+        # launch and no read of its own, only the bytes it writes.
+        return OpFeatures(flops=0.0, mem_bytes=outs[0].num_bytes, launches=0)
+    # Data movement, as Transpose and Concat: no flops. (The pipeline transform
+    # orders and balances steps by flops that scale with the batch; a weight
+    # gradient's cast does not.)
+    return elementwise_features(ins, outs, 0.0)
+
+
 register(
     OpSpec(
-        "Cast",  # (x; dtype) -> x in `dtype`
+        "Cast",  # (x; dtype; fused) -> x in `dtype`
         _cast_infer,
-        # Data movement, as Transpose and Concat: no flops. (The pipeline transform
-        # orders and balances steps by flops that scale with the batch; a weight
-        # gradient's cast does not.)
-        lambda attrs, ins, outs: elementwise_features(ins, outs, 0.0),
+        _cast_features,
         # Executors evaluate every float in float64, so the value is unchanged.
         lambda attrs, inputs: (np.array(inputs[0], copy=True),),
         num_inputs=1,

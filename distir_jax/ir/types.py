@@ -23,6 +23,7 @@ DTYPE_BYTES = {
     "f32": 4,
     "f16": 2,
     "bf16": 2,
+    "f8": 1,  # FP8 (E4M3 / E5M2): the inputs of FP8 GEMMs (training precision "mixed-fp8")
     "i64": 8,
     "i32": 4,
 }

@@ -43,7 +43,8 @@ class Emitter:
         self.grad_dtype = MASTER_DTYPE if precision in F32_GRAD_PRECISIONS else dtype
         self.casts_grads = self.grad_dtype != dtype
         # The linear layers' GEMMs (the MatMuls tensor parallelism splits by
-        # columns or rows, forward and backward) run in FP8 (config.PRECISIONS).
+        # columns or rows, forward and backward) run in FP8 (config.PRECISIONS),
+        # their forward inputs cast to f8 (fp8_input).
         self.fp8 = precision == "mixed-fp8"
         self.layer = 0
         self.phase = "fwd"
@@ -69,6 +70,12 @@ class Emitter:
         if self.fp8 and op_type == "MatMul" and attrs.get("tp") in ("col", "row"):
             attrs["fp8"] = True
         return self.builder.add(op_type, *inputs, names=name, layer=self.layer, phase=self.phase, **attrs)
+
+    def fp8_input(self, x: Value, name: str) -> Value:
+        """``x`` as an FP8 GEMM reads it and keeps it for the weight's gradient: cast
+        to f8 with "mixed-fp8" (Transformer Engine saves this copy, not ``x``; the
+        cast is its producer's epilogue, ``fused``), else ``x``."""
+        return self.op("Cast", x, name=name, dtype="f8", fused=True) if self.fp8 else x
 
     def weight_grad(self, op_type: str, weight: Value, *inputs: Value, **attrs) -> Value:
         """Emits the op producing ``weight``'s gradient, named ``{weight}.grad``."""

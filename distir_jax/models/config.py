@@ -30,10 +30,11 @@ HALF_DTYPES = ("bf16", "f16")
 #     Transformer Engine runs them (attention's batched matmuls, the embedding
 #     and the LM head stay in the model dtype). Such a GEMM costs half its
 #     flops at the model dtype's peak (FP8 tensor cores run at twice the
-#     bf16 / f16 rate on every GPU that has them) and reads 1-byte operands;
-#     memory is counted as in "mixed": Transformer Engine's FP8 copies are not
-#     modelled (of the activations saved for the backward, which hold half the
-#     bytes, and of each weight and its transpose, ~2 bytes a parameter more).
+#     bf16 / f16 rate on every GPU that has them) and reads 1-byte operands.
+#     A transformer block's linear layers read their inputs cast to f8 (a cast
+#     fused into the kernel that produced them) and keep those copies for the
+#     weight gradients, as Transformer Engine does; FP8 copies of the weights
+#     (~2 bytes a parameter) are not modelled.
 PRECISIONS = ("full", "mixed", "mixed-half-grads", "half", "mixed-fp8")
 HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half", "mixed-fp8")
 # Precisions with f32 master weights and optimizer state.

@@ -126,6 +126,8 @@ def _block_forward(
     s, h, n, d = cfg.seq_len, cfg.hidden, cfg.num_heads, cfg.head_dim
     p = f"l{layer}."
     ln1 = em.op("LayerNorm", x, w["ln1.gamma"], w["ln1.beta"], name=p + "ln1", eps=cfg.ln_eps)
+    # The linear layers' inputs as their GEMMs read and keep them (f8 with "mixed-fp8").
+    ln1 = em.fp8_input(ln1, p + "ln1_fp8")
     grouped_probs = None
     if cfg.grouped:
         kv, group = cfg.num_kv_heads, n // cfg.num_kv_heads
@@ -165,11 +167,13 @@ def _block_forward(
         ctx = em.op("MatMul", probs, v, name=p + "ctx_bnsd", **_HEADS)
     ctx = em.op("Transpose", ctx, name=p + "ctx_bsnd", perm=_HEADS_PERM, **_HEADS)
     ctx = em.op("Reshape", ctx, name=p + "ctx", shape=(-1, s, h), tp_axis=2, **_HEADS)
+    ctx = em.fp8_input(ctx, p + "ctx_fp8")
     attn = em.op("MatMul", ctx, w["attn.wo"], name=p + "attn", tp="row")
     x1 = em.op("Add", x, attn, name=p + "x1")
     ln2 = em.op("LayerNorm", x1, w["ln2.gamma"], w["ln2.beta"], name=p + "ln2", eps=cfg.ln_eps)
+    ln2 = em.fp8_input(ln2, p + "ln2_fp8")
     h1 = em.op("MatMul", ln2, w["mlp.w1"], name=p + "h1", tp="col")
-    g = em.op("Gelu", h1, name=p + "gelu", **_SHARDED)
+    g = em.fp8_input(em.op("Gelu", h1, name=p + "gelu", **_SHARDED), p + "gelu_fp8")
     mlp = em.op("MatMul", g, w["mlp.w2"], name=p + "mlp", tp="row")
     out = em.op("Add", x1, mlp, name=p + "out")
     return _BlockActs(x, ln1, q, k, v, probs, ctx, x1, ln2, h1, g, grouped_probs), out
