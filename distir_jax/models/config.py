@@ -33,8 +33,9 @@ HALF_DTYPES = ("bf16", "f16")
 #     bf16 / f16 rate on every GPU that has them) and reads 1-byte operands.
 #     A transformer block's linear layers read their inputs cast to f8 (a cast
 #     fused into the kernel that produced them) and keep those copies for the
-#     weight gradients, as Transformer Engine does; FP8 copies of the weights
-#     (~2 bytes a parameter) are not modelled.
+#     weight gradients, as Transformer Engine does (sequence parallelism
+#     all-gathers the f8 copies); FP8 copies of the weights (~2 bytes a
+#     parameter) are not modelled.
 PRECISIONS = ("full", "mixed", "mixed-half-grads", "half", "mixed-fp8")
 HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half", "mixed-fp8")
 # Precisions with f32 master weights and optimizer state.
