@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Union
 
 from distir_jax.models import MLPConfig, TransformerConfig, get_model_config
-from distir_jax.models.config import HALF_DTYPES, PRECISIONS, precisions_for
+from distir_jax.models.config import FP8_PRECISIONS, HALF_DTYPES, PRECISIONS, precisions_for
 from distir_jax.presets import fp8_problem, get_preset, preset_names
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -530,7 +530,7 @@ def constraint_reason(config: Config) -> str:
         config.topology()
     except ValueError as err:
         return _one_line(err)
-    if config.training_precision == "mixed-fp8":
+    if config.training_precision in FP8_PRECISIONS:
         problem = fp8_problem(config.preset, HARDWARE_DTYPE.get(config.dtype, config.dtype))
         if problem:
             return problem

@@ -6,7 +6,7 @@ import math
 
 from distir_jax.ir.builder import FunctionBuilder
 from distir_jax.ir.function import Function, Value
-from distir_jax.models.config import F32_GRAD_PRECISIONS, MASTER_PRECISIONS
+from distir_jax.models.config import F32_GRAD_PRECISIONS, FP8_PRECISIONS, MASTER_PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam")
 PHASES = ("fwd", "bwd", "opt")
@@ -45,7 +45,7 @@ class Emitter:
         # The linear layers' GEMMs (the MatMuls tensor parallelism splits by
         # columns or rows, forward and backward) run in FP8 (config.PRECISIONS),
         # their forward inputs cast to f8 (fp8_input).
-        self.fp8 = precision == "mixed-fp8"
+        self.fp8 = precision in FP8_PRECISIONS
         self.layer = 0
         self.phase = "fwd"
         self.weights: list[Value] = []

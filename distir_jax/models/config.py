@@ -42,6 +42,8 @@ HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half", "mixed-fp8")
 MASTER_PRECISIONS = ("mixed", "mixed-half-grads", "mixed-fp8")
 # Precisions that sum and all-reduce gradients in f32.
 F32_GRAD_PRECISIONS = ("mixed", "mixed-fp8")
+# Precisions that run the linear layers' GEMMs in FP8, and what each is otherwise.
+FP8_PRECISIONS = {"mixed-fp8": "mixed"}
 
 
 def _check_positive_int(owner: str, name: str, value) -> None:

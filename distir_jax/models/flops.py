@@ -37,12 +37,12 @@ def model_flops_per_sample(config) -> float:
     Args:
       config: an ``MLPConfig`` or ``TransformerConfig``, or a preset name.
     """
-    from distir_jax.models.config import get_model_config
+    from distir_jax.models.config import FP8_PRECISIONS, get_model_config
 
     if isinstance(config, str):
         config = get_model_config(config)
-    if config.training_precision == "mixed-fp8":  # the same GEMMs: their flops, not their FP8 cost
-        config = dataclasses.replace(config, training_precision="mixed")
+    if config.training_precision in FP8_PRECISIONS:  # the same GEMMs: their flops, not their FP8 cost
+        config = dataclasses.replace(config, training_precision=FP8_PRECISIONS[config.training_precision])
     layers = config.num_layers
     if layers <= _COUNTED_WHOLE:
         return _matmul_flops(config)
