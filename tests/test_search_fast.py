@@ -720,6 +720,62 @@ def test_backward_replay_reproduces_the_fused_first_backward(model, tensor, poli
         np.testing.assert_allclose(seg.accumulate.sum(axis=0), f.accumulate[q], rtol=1e-12)
 
 
+def _replay_op_by_op(bops, part, later, input_freed, cuts):
+    """The replay rule, one op at a time (the obvious reference for BackwardOps.replay)."""
+    s = bops.alloc.shape[0]
+    level, peak, rises, nets = np.zeros(s), np.zeros(s), [], []
+    for i in bops.ops[part]:
+        peak = np.maximum(peak, level + bops.alloc[:, i])
+        level = level + bops.alloc[:, i] - bops.free[:, i]
+        if input_freed:
+            level = level - bops.input_freed.get(i, 0.0)
+        for grad in bops.grads.get(i, ()):
+            if later:
+                level = level - np.asarray(grad.type.num_bytes, np.float64)
+            if cuts:
+                rises.append(peak)
+                nets.append(level)
+                level, peak = np.zeros(s), np.zeros(s)
+    if not cuts:
+        return peak, level
+    return np.stack(rises + [peak]), np.stack(nets + [level])
+
+
+@pytest.mark.parametrize(
+    "model, tensor, policy, sizes",
+    [
+        ("mlp-xs", 2, "none", [4, 8]),  # a received input freed in the backward
+        ("mlp-small", 1, "full", [3]),
+        ("gpt2-small", 2, "attention", [1, 2, 4]),
+        ("gpt2-small", 4, "full", [5]),
+    ],
+)
+def test_backward_replay_matches_an_op_by_op_replay(model, tensor, policy, sizes, monkeypatch):
+    """The vectorized replay (all four variants at once, running sums) equals
+    replaying the part's ops one by one, bit for bit, with and without segments."""
+    from distir_jax.transforms import coarse_features, coarse_segments
+
+    built = []
+
+    def keep(*args, **kwargs):
+        built.append(coarse_segments.backward_ops(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(coarse_features, "backward_ops", keep)
+    coarse_features._layer_features.cache_clear()
+    layer_features(get_model_config(model), tensor, policy, sizes, get_preset("dgx-a100-80gb:8"))
+    (bops,) = built
+    assert bops.input_freed and bops.grads  # both kinds of events are exercised
+    for part in range(len(bops.ops)):
+        for cuts in (False, True):
+            rise, net = bops.replay(part, cuts)
+            for later in (0, 1):
+                for freed in (0, 1):
+                    want_rise, want_net = _replay_op_by_op(bops, part, later, freed, cuts)
+                    np.testing.assert_array_equal(rise[later, freed], want_rise)
+                    np.testing.assert_array_equal(net[later, freed], want_net)
+
+
 def test_zero_on_a_vocabulary_the_degree_does_not_divide_matches_the_exact_engine():
     """ZeRO shards every weight along axis 0, padding a vocabulary the degree does not
     divide (130 rows over 4 replicas): valid rows, on the fast engine, with the exact

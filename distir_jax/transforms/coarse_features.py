@@ -422,12 +422,9 @@ def _layer_features(
             mask = np.asarray([lab == (part, direction) for lab in labels])
             step_flops[part, d] = raw_flops[:, mask].sum(axis=1)
     bops = backward_ops(fn, fine, labels, s, num_parts)
-    replays = [
-        [[bops.replay(q, later, freed, cuts=False) for freed in (False, True)] for later in (0, 1)]
-        for q in range(num_parts)
-    ]
-    backward_rise = np.asarray([[[r for r, _ in v] for v in part] for part in replays])  # [P, 2, 2, S]
-    backward_net = np.asarray([[[n for _, n in v] for v in part] for part in replays])
+    replays = [bops.replay(q, cuts=False) for q in range(num_parts)]
+    backward_rise = np.stack([r for r, _ in replays])  # [P, 2, 2, S]
+    backward_net = np.stack([n for _, n in replays])
     linear = linear_features(fine, topology, s)
     updates: list[list] = [[] for _ in range(num_parts)]
     weights: list[list] = [[] for _ in range(num_parts)]

@@ -201,19 +201,30 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
     # takes ~2p iterations. On small arrays the vectorized update is the cheaper
     # (from ~4096 steps on 8 or more devices the sweeps are: p = 16 interleaved,
     # k = 64, v = 6: 1.5 ms against 3.3 ms).
+    #
+    # A sweep that changed something is followed by one update of all rows at
+    # once rather than another sweep: it shows convergence at a fraction of a
+    # sweep's cost (GPT-3's deep pipelines: 2 sweeps and a check instead of 3).
+    def update(d) -> bool:
+        wait = flat_finish[dep_index[d]]
+        wait -= before[d]
+        np.maximum(wait, 0.0, out=wait)
+        np.maximum.accumulate(wait, axis=-1, out=wait)
+        wait += total[d]
+        if (wait != finish[d]).any():
+            finish[d] = wait
+            return True
+        return False
+
     rows = [slice(None)]  # all at once
     if p >= 8 and m >= 16 and p * m >= 4096:
         rows = list(range(p)) + list(range(p - 2, 0, -1))
     for _ in range(2 * p * m + 2):
         changed = False
         for d in rows:
-            wait = flat_finish[dep_index[d]]
-            wait -= before[d]
-            np.maximum(wait, 0.0, out=wait)
-            np.maximum.accumulate(wait, axis=-1, out=wait)
-            wait += total[d]
-            if (wait != finish[d]).any():
-                finish[d], changed = wait, True
+            changed |= update(d)
+        if changed and len(rows) > 1:
+            changed = update(slice(None))
         if not changed:
             ext = flat_finish[dep_index]
             # Starts from the finishes they wait for, not ``finish - cost``: float
