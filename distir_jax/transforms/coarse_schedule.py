@@ -192,6 +192,7 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
     flat_finish = np.zeros(p * m + 1)
     finish = flat_finish[: p * m].reshape(p, m)  # a view: row updates show through it
     finish[:] = total
+
     # A device's finishes from its steps' inputs: ``total`` plus the largest wait so
     # far. Iterated from ``total`` up, this reaches the least fixed point, whatever
     # the order rows are updated in. Deep pipelines update rows in device order and

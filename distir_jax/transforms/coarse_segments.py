@@ -156,7 +156,8 @@ class BackwardOps:
                 if i in self.input_freed:
                     op_input[:, j] = self.input_freed[i]
             alloc, free = self.alloc[:, ops], self.free[:, ops]
-            self._part_events[part] = (alloc, alloc - free, op_input, grad_bytes, op_event, grad_event, before)
+            events = (alloc, alloc - free, op_input, grad_bytes, op_event, grad_event, before)
+            self._part_events[part] = events
         return self._part_events[part]
 
     def segments(self, part: int, features: np.ndarray, topology, updates=()) -> PartSegments:
