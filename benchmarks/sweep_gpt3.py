@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import functools
 import os
 import platform
@@ -166,9 +165,9 @@ _RESOURCES = 2 * _MAX_STAGES
 _SECONDS_COLUMNS = 6 * _MAX_CHUNKS + 2 * _MAX_STAGES + 1
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One point of the space."""
+class Config(NamedTuple):
+    """One point of the space (a tuple: ~3x faster to make than a frozen dataclass,
+    10k of them per sweep)."""
 
     tensor: int
     pipeline: int
@@ -1230,7 +1229,7 @@ def _gpt3(quick: bool, fit_only: bool, steady: bool, verbose: bool, global_batch
         best=None
         if best is None
         else dict(
-            dataclasses.asdict(configs[best]),
+            configs[best]._asdict(),
             global_batch=configs[best].global_batch,
             step_time_s=float(step_time[best]),
             peak_memory_gb=float(peak[best]) / 1e9,
