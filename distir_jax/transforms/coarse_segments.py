@@ -117,7 +117,7 @@ class BackwardOps:
         level = np.cumsum(delta, axis=-1)  # level[..., 1 + e]: after event e; level[..., e]: before it
         tops = level[..., op_event] + op_alloc  # each op's allocation on the level before it
         if not cuts:
-            return np.maximum(tops.max(axis=-1, initial=0.0), 0.0), level[..., -1]
+            return tops.max(axis=-1, initial=0.0), level[..., -1]  # the level starts at 0
         # A segment's levels are the running sum's less its level where it began.
         start = np.concatenate([level[..., :1], level[..., 1 + grad_event]], axis=-1)  # [2, 2, S, m]
         end = np.concatenate([level[..., 1 + grad_event], level[..., -1:]], axis=-1)
