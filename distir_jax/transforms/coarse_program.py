@@ -333,12 +333,15 @@ def _chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
     receives = (np.arange(n) > 0) & features.output_used_by_own_backward
     count = coef[:, 1:2]  # blocks; the first chunk may hold none besides the embedding (MLPs)
 
-    def part(rise, net, present):  # [S] each -> [n, S] where present
-        return np.where(present[:, None], rise[None, :], 0.0), np.where(present[:, None], net[None, :], 0.0)
+    # Passes as [..., n, S]: the forward's, and the backwards' with a leading axis
+    # for the first and the later microbatches (one pass over both).
+    def part(rise, net, present):  # [..., S] each -> [..., n, S] where present
+        where = present[:, None]
+        return np.where(where, rise[..., None, :], 0.0), np.where(where, net[..., None, :], 0.0)
 
     def blocks(rise, net, num):  # num identical blocks one after the other
-        peak = rise[None, :] + np.maximum(0.0, (num - 1) * net[None, :])
-        return np.where(num > 0, peak, 0.0), num * net[None, :]
+        peak = rise[..., None, :] + np.maximum(0.0, (num - 1) * net[..., None, :])
+        return np.where(num > 0, peak, 0.0), num * net[..., None, :]
 
     absent = (np.zeros((n, s)), np.zeros((n, s)))
     fwd = _chain(
@@ -348,20 +351,19 @@ def _chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
         ),
         part(rise_f[_HEAD], net_f[_HEAD], last),
     )
-    bwd = []
-    for later in (0, 1):
-        r, m = rise_b[:, later], net_b[:, later]  # [3, 2, S]
-        head_first = receives & (count[:, 0] == 0)  # the head is the chunk's only (first) part
-        head = _chain(
-            part(r[_HEAD, 0], m[_HEAD, 0], last & ~head_first),
-            part(r[_HEAD, 1], m[_HEAD, 1], last & head_first),
-        )
-        first_block = (receives & (count[:, 0] > 0))[:, None]
-        body = _chain(
-            blocks(r[_BLOCK, 0], m[_BLOCK, 0], count - first_block),
-            blocks(r[_BLOCK, 1], m[_BLOCK, 1], first_block * 1.0),
-        )
-        bwd.append(_chain(_chain(head, body), part(r[_EMBED, 0], m[_EMBED, 0], first)))
+    r, m = np.moveaxis(rise_b, 1, 0), np.moveaxis(net_b, 1, 0)  # [later, 3, input freed, S]
+    head_first = receives & (count[:, 0] == 0)  # the head is the chunk's only (first) part
+    head = _chain(
+        part(r[:, _HEAD, 0], m[:, _HEAD, 0], last & ~head_first),
+        part(r[:, _HEAD, 1], m[:, _HEAD, 1], last & head_first),
+    )
+    first_block = (receives & (count[:, 0] > 0))[:, None]
+    body = _chain(
+        blocks(r[:, _BLOCK, 0], m[:, _BLOCK, 0], count - first_block),
+        blocks(r[:, _BLOCK, 1], m[:, _BLOCK, 1], first_block * 1.0),
+    )
+    rise, net = _chain(_chain(head, body), part(r[:, _EMBED, 0], m[:, _EMBED, 0], first))
+    bwd = [(rise[0], net[0]), (rise[1], net[1])]
     for x in (coef, steps, *fwd, *(y for b in bwd for y in b)):
         x.setflags(write=False)
     return _PipelineParts(coef, None, steps, fwd, bwd)
