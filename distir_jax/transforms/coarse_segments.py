@@ -130,6 +130,7 @@ class BackwardOps:
 
     @functools.cached_property
     def _part_events(self) -> dict:
+        """:meth:`_events` by part, filled on first use (the dataclass is frozen)."""
         return {}
 
     def _events(self, part: int) -> tuple:
