@@ -107,7 +107,7 @@ class BackwardOps:
         over those events, all four variants at once: byte counts are whole
         numbers, so the sums are exact in any order (a loop over ops took ~50
         us a replay, and a measured block replays each part 8 times)."""
-        op_alloc, op_net, op_input, grad_bytes, op_event, grad_event, op_segment = self._events(part)
+        op_alloc, op_net, op_input, grad_bytes, op_event, grad_event, op_segment = self._events[part]
         s = self.alloc.shape[0]
         flag = np.asarray([0.0, 1.0])
         delta = np.zeros((2, 2, s, 1 + op_event.size + grad_event.size))  # column 0: the level at the start
@@ -129,37 +129,33 @@ class BackwardOps:
         return rise.swapaxes(-1, -2), (end - start).swapaxes(-1, -2)
 
     @functools.cached_property
-    def _part_events(self) -> dict:
-        """:meth:`_events` by part, filled on first use (the dataclass is frozen)."""
-        return {}
-
-    def _events(self, part: int) -> tuple:
-        """The part's replay events (cached): per op its allocation, allocation less
-        frees and the input bytes it frees (``[S, n]`` each); the gradients' bytes
+    def _events(self) -> tuple:
+        """Per part, its replay events: per op its allocation, allocation less frees
+        and the input bytes it frees (``[S, n]`` each); the gradients' bytes
         (``[S, G]``, in order); where the op and gradient events are in the event
         order (``[n]``, ``[G]``: an op's gradients follow it); and each op's
         segment (gradients before it)."""
-        if part not in self._part_events:
-            ops = list(self.ops[part])
-            s = self.alloc.shape[0]
-            count = np.asarray([len(self.grads.get(i, ())) for i in ops], np.intp)
-            before = np.cumsum(count) - count  # gradients ahead of each op
-            op_event = np.arange(len(ops)) + before
-            is_op = np.zeros(len(ops) + int(count.sum()), bool)
-            is_op[op_event] = True
-            grad_event = np.flatnonzero(~is_op)  # each op's gradients right after it
-            grads = [grad for i in ops for grad in self.grads.get(i, ())]
-            grad_bytes = np.zeros((s, len(grads)))
-            for j, grad in enumerate(grads):
-                grad_bytes[:, j] = np.asarray(grad.type.num_bytes, np.float64)
-            op_input = np.zeros((s, len(ops)))
-            for j, i in enumerate(ops):
-                if i in self.input_freed:
-                    op_input[:, j] = self.input_freed[i]
-            alloc, free = self.alloc[:, ops], self.free[:, ops]
-            events = (alloc, alloc - free, op_input, grad_bytes, op_event, grad_event, before)
-            self._part_events[part] = events
-        return self._part_events[part]
+        return tuple(self._part_events(q) for q in range(len(self.ops)))
+
+    def _part_events(self, part: int) -> tuple:
+        ops = list(self.ops[part])
+        s = self.alloc.shape[0]
+        count = np.asarray([len(self.grads.get(i, ())) for i in ops], np.intp)
+        before = np.cumsum(count) - count  # gradients ahead of each op
+        op_event = np.arange(len(ops)) + before
+        is_op = np.zeros(len(ops) + int(count.sum()), bool)
+        is_op[op_event] = True
+        grad_event = np.flatnonzero(~is_op)  # each op's gradients right after it
+        grads = [grad for i in ops for grad in self.grads.get(i, ())]
+        grad_bytes = np.zeros((s, len(grads)))
+        for j, grad in enumerate(grads):
+            grad_bytes[:, j] = np.asarray(grad.type.num_bytes, np.float64)
+        op_input = np.zeros((s, len(ops)))
+        for j, i in enumerate(ops):
+            if i in self.input_freed:
+                op_input[:, j] = self.input_freed[i]
+        alloc, free = self.alloc[:, ops], self.free[:, ops]
+        return alloc, alloc - free, op_input, grad_bytes, op_event, grad_event, before
 
     def segments(self, part: int, features: np.ndarray, topology, updates=()) -> PartSegments:
         """The part's segments; ``features`` ``[S, N, F]`` are the fine ops' linear costs.
