@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import heapq
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -492,11 +493,58 @@ def mode_rows(
     :class:`ModeRows`: for sweeps that gather rows from them rather than copy them."""
     p, k = int(pipeline), int(microbatches)
     layers = tuple(int(x) for x in layers_per_chunk)
-    s, m = features.num_variants, len(modes)
+    s = features.num_variants
     base = _pipeline_parts(features, layers, p)
-    data = np.asarray([int(d) for d, _, _ in modes], np.int64)
-    zero = np.asarray([bool(z) for _, z, _ in modes])
-    sync = np.asarray([mode in SYNC_MODES for _, _, mode in modes])
+    modes = _ModeParts.key(modes)
+    parts = _mode_parts(features, modes)
+    other = np.concatenate(
+        [
+            np.matmul(base.coef, parts.reduce),  # each chunk's reduction
+            np.matmul(base.stage_coef, parts.update),  # each stage's update
+            np.matmul(base.stage_coef, parts.last),  # each stage's gather, or tensor sync
+        ],
+        axis=1,
+    )
+    alloc, free, params, state = _memory_base(features, layers, p)
+    extra = np.zeros((len(modes), p))
+    if parts.reduction_peak.size:  # ZeRO reduce-scatters in place: no rise
+        extra[parts.reduction_peak] = _reduction_peak(features, layers, p)
+    # ZeRO's weight shards are views of the weights: only the state is sharded.
+    resident = params + state / parts.shard[:, None]  # [M, p]
+    for i, state_shard in parts.padded:  # the state shards, padded rows included
+        resident[i] = params + base.stage_coef @ state_shard
+    data_inputs = k * features.data_bytes  # [S]
+    resident = np.repeat(resident[:, None], s, axis=1)
+    resident[:, :, 0] += data_inputs  # tokens, on the first chunk's stage
+    resident[:, :, (len(layers) - 1) % p] += data_inputs  # labels, on the last chunk's stage
+    return ModeRows(layers, alloc, free, extra, other, resident)
+
+
+class _ModeParts(NamedTuple):
+    """What :func:`mode_rows` computes per data-parallel mode, whatever the
+    pipeline: ``[M, P, F]`` each part's reduction, update (with what the mode
+    adds to it) and last op (gather or tensor sync); ``[M]`` the ZeRO shard
+    count; the modes whose updates rise by the reduction's transient
+    (``reduction_peak``, indices) and ``(mode, [P] state bytes per shard)``
+    of those whose ZeRO shards pad some weight's rows."""
+
+    reduce: np.ndarray
+    update: np.ndarray
+    last: np.ndarray
+    shard: np.ndarray
+    reduction_peak: np.ndarray
+    padded: tuple
+
+    @staticmethod
+    def key(modes) -> tuple:
+        return tuple((int(d), bool(z), str(mode)) for d, z, mode in modes)
+
+
+@functools.lru_cache(maxsize=1024)  # by the features' identity: a sweep asks once per pipeline
+def _mode_parts(features: LayerFeatures, modes: tuple) -> _ModeParts:
+    data = np.asarray([d for d, _, _ in modes], np.int64)
+    zero = np.asarray([z for _, z, _ in modes], bool)
+    sync = np.asarray([mode in SYNC_MODES for _, _, mode in modes], bool)
     shard = np.where(zero, data, 1)
     parts = [features.data_parallel(int(d), bool(z)) for d, z in zip(data, zero, strict=True)]
     reduce_parts = np.stack([r for r, _ in parts])  # [M, 3, F] (per layer: [M, P, F])
@@ -507,36 +555,24 @@ def mode_rows(
     # tensor group's link). The measured update holds them: take them out.
     syncs = np.stack([features.sync_parts(int(n)) for n in shard])  # [M, P, F]
     updates = features.optimizer - features.sync_parts(1)
-    adam = np.repeat(updates[None], m, axis=0)
+    adam = np.repeat(updates[None], len(modes), axis=0)
     adam[:, :, SHARD_SCALED] /= shard[:, None, None]
     # Modes whose ZeRO shards pad some weight's rows: each part's update per its shard's rows.
     padded = [(i, features.zero_shards(int(data[i]))) for i in np.flatnonzero(zero & (data > 1))]
-    padded = [(i, shards) for i, shards in padded if shards is not None]
+    padded = [(int(i), shards) for i, shards in padded if shards is not None]
     for i, (_, scale) in padded:
         adam[i][:, SHARD_SCALED] = updates[:, SHARD_SCALED] * scale[:, None]
-    update_parts = adam + np.where(sync[:, None, None], reduce_parts + gather_parts, syncs)
-    last_parts = np.where(sync[:, None, None], syncs, gather_parts)
-    other = np.concatenate(
-        [
-            np.matmul(base.coef, reduce_parts),  # each chunk's reduction
-            np.matmul(base.stage_coef, update_parts),  # each stage's update
-            np.matmul(base.stage_coef, last_parts),  # each stage's gather, or tensor sync
-        ],
-        axis=1,
+    out = _ModeParts(
+        reduce_parts,
+        adam + np.where(sync[:, None, None], reduce_parts + gather_parts, syncs),
+        np.where(sync[:, None, None], syncs, gather_parts),
+        shard,
+        np.flatnonzero(sync & ~zero),
+        tuple((i, state_shard) for i, (state_shard, _) in padded),
     )
-    alloc, free, params, state = _memory_base(features, layers, p)
-    extra = np.zeros((m, p))
-    for i in np.flatnonzero(sync & ~zero):  # ZeRO reduce-scatters in place: no rise
-        extra[i] = _reduction_peak(features, layers, p)
-    # ZeRO's weight shards are views of the weights: only the state is sharded.
-    resident = params + state / shard[:, None]  # [M, p]
-    for i, (state_shard, _) in padded:  # the state shards, padded rows included
-        resident[i] = params + base.stage_coef @ state_shard
-    data_inputs = k * features.data_bytes  # [S]
-    resident = np.repeat(resident[:, None], s, axis=1)
-    resident[:, :, 0] += data_inputs  # tokens, on the first chunk's stage
-    resident[:, :, (len(layers) - 1) % p] += data_inputs  # labels, on the last chunk's stage
-    return ModeRows(layers, alloc, free, extra, other, resident)
+    for x in out[:5]:
+        x.setflags(write=False)  # cached
+    return out
 
 
 def chunk_step_rows(features: LayerFeatures, layers_per_chunk: Sequence[int]) -> np.ndarray:
