@@ -118,6 +118,7 @@ from distir_jax.transforms.coarse import (
     layer_features,
     mode_rows,
     pipeline_template,
+    prepare_chunkings,
     stage_devices,
     template_size,
 )
@@ -516,9 +517,15 @@ class _Rows:
         for (t, rc, p, v, d, zero, mode), i in keys.items():
             variants.setdefault((t, rc, p, v, d), []).append((i, zero, mode))
         measured: dict[tuple, object] = {}  # (tensor, recompute): its features, one lookup each
-        for (t, rc, p, v, d), members in variants.items():
+        chunks: dict[tuple, set] = {}  # and the chunk counts of its pipelines
+        for t, rc, p, v, _ in variants:
             if (t, rc) not in measured:
                 measured[t, rc] = layer_features(model, t, rc, self.sizes[t], topology)
+            chunks.setdefault((t, rc), set()).add(p * v)
+        for features, counts in ((measured[tr], counts) for tr, counts in chunks.items()):
+            # Every pipeline's chunk tables at once, per features.
+            prepare_chunkings(features, [balanced_layers(features, n) for n in sorted(counts)])
+        for (t, rc, p, v, d), members in variants.items():
             features = measured[t, rc]
             layers = balanced_layers(features, p * v)
             made = mode_rows(features, layers, p, 0, [(d, zero, mode) for _, zero, mode in members])

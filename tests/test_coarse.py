@@ -23,9 +23,9 @@ from distir_jax.ir import FunctionBuilder, Topology
 from distir_jax.ir.registry import get_spec
 from distir_jax.kernel import simulate
 from distir_jax.lower import lower, peak_memory
-from distir_jax.models import TransformerConfig, build_training_step
+from distir_jax.models import MLPConfig, TransformerConfig, build_training_step
 from distir_jax.presets import get_preset
-from distir_jax.transforms import coarse_program
+from distir_jax.transforms import coarse, coarse_program
 from distir_jax.transforms.base import as_distributed
 from distir_jax.transforms.coarse import (
     DATA_MODES,
@@ -410,6 +410,38 @@ def test_mode_rows_expand_to_each_modes_tables():
     # Only a synchronous all-reduce adds a transient to the update rows (ZeRO scatters in place).
     assert np.all(rows.update_extra[0] > 0) and np.all(rows.update_extra[1:] == 0)
     assert not rows.alloc.flags.writeable and not rows.free.flags.writeable  # shared by the modes
+
+
+@pytest.mark.parametrize(
+    "model, tensor, per_layer",
+    [
+        (GPT, 2, False),
+        (MLPConfig(num_layers=8, hidden=32, dtype="f32"), 1, False),  # ends are blocks
+        (MLPConfig(num_layers=8, hidden=32, dtype="f32"), 2, True),  # per layer
+    ],
+)
+def test_chunkings_prepared_together_equal_one_at_a_time(model, tensor, per_layer):
+    # Sizes no other test asks for: features (and chunk tables) of their own.
+    features = layer_features(model, tensor, "attention", [3, 5], topology(), per_layer=per_layer)
+    chunkings = [tuple(int(x) for x in balanced_layers(features, n)) for n in (4, 1, 2, 3)]
+    alone = [coarse_program._chunk_parts_of([(features, c)])[0] for c in chunkings]
+    coarse.prepare_chunkings(features, chunkings)
+    for c, want in zip(chunkings, alone, strict=True):
+        got = coarse_program._chunk_parts(features, c)  # the prepared tables, cached
+        assert got.stage_coef is None and not got.steps.flags.writeable
+        for name, x, y in [
+            ("coef", got.coef, want.coef),
+            ("steps", got.steps, want.steps),
+            *[(f"fwd {i}", got.fwd[i], want.fwd[i]) for i in range(2)],
+            *[(f"bwd {j} {i}", got.bwd[j][i], want.bwd[j][i]) for j in range(2) for i in range(2)],
+        ]:
+            np.testing.assert_array_equal(x, y, err_msg=f"{c} {name}")
+        assert want.steps.shape[1] == 3 * len(c) + 1
+    # The first and last chunks hold the embedding and head parts, each chunking's own.
+    if not per_layer:
+        together = coarse_program._chunk_parts_of([(features, c) for c in chunkings])
+        assert [float(x.coef[0, 0]) for x in together] == [1.0] * len(chunkings)
+        assert [float(x.coef[-1, 2]) for x in together] == [1.0] * len(chunkings)
 
 
 def test_the_template_cache_can_be_shared_between_threads():

@@ -374,7 +374,18 @@ class _BoundedCache:
             if key in self.items:
                 self.items.move_to_end(key)
                 return self.items[key]
-        value = self.build(*key)
+        return self._keep(key, self.build(*key))
+
+    def get_many(self, keys: list[tuple], build_many) -> list:
+        """The values of ``keys``; those not held are built by one call of
+        ``build_many(missing keys)`` (a list of their values, in order)."""
+        with self.lock:
+            missing = [key for key in keys if key not in self.items]
+        built = dict(zip(missing, build_many(missing) if missing else [], strict=True))
+        return [self._keep(key, built[key]) if key in built else self.get(*key) for key in keys]
+
+    def _keep(self, key: tuple, value):
+        """Holds ``value`` for ``key`` unless a value is held already; returns the one held."""
         with self.lock:
             if key in self.items:
                 return self.items[key]

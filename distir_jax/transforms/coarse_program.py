@@ -46,6 +46,7 @@ from distir_jax.transforms.coarse_pipeline import (
     SYNC_MODES,
     UPDATE,
     PipelineTemplate,
+    _BoundedCache,
     data_mode,
     pipeline_template,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "exact_integers",
     "links_by_kind",
     "mode_rows",
+    "prepare_chunkings",
     "part_coefficients",
     "realize",
     "segment_plan",
@@ -229,9 +231,14 @@ def part_coefficients(features: LayerFeatures, layers_per_chunk: Sequence[int]) 
 
 
 def _block_coefficients(layers_per_chunk: Sequence[int], ends_are_blocks: bool) -> np.ndarray:
-    layers = np.asarray(layers_per_chunk, np.float64)
-    n = len(layers)
-    first, last = np.arange(n) == 0, np.arange(n) == n - 1
+    n = len(layers_per_chunk)
+    return _block_coefficients_at(layers_per_chunk, np.arange(n) == 0, np.arange(n) == n - 1, ends_are_blocks)
+
+
+def _block_coefficients_at(layers, first: np.ndarray, last: np.ndarray, ends_are_blocks: bool) -> np.ndarray:
+    """:func:`_block_coefficients` of chunks ``layers`` where ``first`` and ``last``
+    mark the first and last chunks (several pipelines' chunks, one after the other)."""
+    layers = np.asarray(layers, np.float64)
     blocks = layers - first - last if ends_are_blocks else layers
     return np.stack([first, blocks, last], axis=1).astype(np.float64)
 
@@ -303,40 +310,109 @@ def _pipeline_parts(features: LayerFeatures, layers: tuple, p: int) -> _Pipeline
     return _PipelineParts(parts.coef, stage_coef, parts.steps, parts.fwd, parts.bwd)
 
 
-@functools.lru_cache(maxsize=4096)
 def _chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
     """:func:`_pipeline_parts` but ``stage_coef`` (None): what does not depend on the
-    number of stages, shared by every pipeline depth with these chunks."""
-    layers = np.asarray(layers, np.int64)
-    n = len(layers)
-    first, last = np.arange(n) == 0, np.arange(n) == n - 1
-    coef = part_coefficients(features, layers)  # [n, 3] (per layer: [n, P]) parts per chunk
-    s = features.num_variants
-    # Costs.
+    number of stages, shared by every pipeline depth with these chunks (cached;
+    :func:`prepare_chunkings` computes many at once)."""
+    return _cached_chunk_parts(features, layers)
+
+
+def prepare_chunkings(features: LayerFeatures, chunkings) -> None:
+    """Computes the chunk tables of many chunkings of one model (each a sequence
+    of blocks per chunk) in one vectorized pass and caches them, for the
+    pipelines a sweep is about to build (:func:`mode_rows`, :func:`chunk_tables`,
+    :func:`chunk_step_rows`): a sweep over GPT-3 175B has ~200 chunkings, which
+    one at a time cost ~10x as much. The tables are the same either way."""
+    keys = list(dict.fromkeys((features, tuple(int(x) for x in layers)) for layers in chunkings))
+    _CHUNK_PARTS.get_many(keys, _chunk_parts_of)
+
+
+def _chunk_parts_of(keys: list[tuple]) -> list[_PipelineParts]:
+    """:func:`_chunk_parts` of each ``(features, layers)``, computed together per features."""
+    out = [None] * len(keys)
+    by_features: dict = {}
+    for i, (features, _) in enumerate(keys):
+        by_features.setdefault(features, []).append(i)
+    for features, members in by_features.items():
+        if features.per_layer:  # chunks of single layers, chained one by one
+            made = [_layer_chunk_parts(features, keys[i][1]) for i in members]
+        else:
+            made = _whole_block_chunk_parts(features, [keys[i][1] for i in members])
+        for i, parts in zip(members, made, strict=True):
+            out[i] = parts
+    return out
+
+
+def _chunk_parts_nbytes(parts: _PipelineParts) -> int:
+    arrays = (parts.coef, parts.steps, *parts.fwd, *(x for b in parts.bwd for x in b))
+    return sum(x.nbytes for x in arrays)
+
+
+_CHUNK_PARTS = _BoundedCache(
+    lambda features, layers: _chunk_parts_of([(features, layers)])[0], _chunk_parts_nbytes, 256 << 20
+)
+_cached_chunk_parts = _CHUNK_PARTS.get
+
+
+def _step_rows(features: LayerFeatures, coef: np.ndarray) -> np.ndarray:
+    """``[S, n, 3, F]`` each chunk's forward, first and later backward costs (its
+    parts' ``coef``: ``[n, 3]``, or ``[n, P]`` per layer)."""
     step = features.step  # [3, 2, S, F]
     forward = np.einsum("cq,qsf->scf", coef, step[:, 0])
     backward = np.einsum("cq,qsf->scf", coef, step[:, 1])
-    message = np.zeros((s, 1, _F))
+    accumulate = coef @ features.accumulate  # [n, F]: later microbatches add to the running sums
+    return np.stack([forward, backward, backward + accumulate[None]], axis=2)
+
+
+def _message_row(features: LayerFeatures) -> np.ndarray:
+    """``[S, 1, F]`` the cost row of a message between chunks."""
+    message = np.zeros((features.num_variants, 1, _F))
     message[:, 0, _VOLUME] = features.message_bytes
     message[:, 0, _HOPS] = 1.0
-    accumulate = coef @ features.accumulate  # [n, F]: later microbatches add to the running sums
-    steps = np.concatenate([forward, backward, backward + accumulate[None], message], axis=1)
-    if features.per_layer:  # chunks of single layers, chained one by one
-        fwd, bwd = layer_pass_memory(features, tuple(int(x) for x in layers))
-        for x in (coef, steps, *fwd, *(y for b in bwd for y in b)):
-            x.setflags(write=False)
-        return _PipelineParts(coef, None, steps, fwd, bwd)
+    return message
+
+
+def _steps_of(rows: np.ndarray, message: np.ndarray) -> np.ndarray:
+    """``[S, 3n + 1, F]`` (forwards, first backwards, later backwards, a message) from
+    :func:`_step_rows`' ``[S, n, 3, F]``."""
+    return np.concatenate([rows.transpose(0, 2, 1, 3).reshape(rows.shape[0], -1, _F), message], axis=1)
+
+
+def _layer_chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
+    """:func:`_chunk_parts` of features measured per layer."""
+    coef = part_coefficients(features, layers)  # [n, P] layers of each part per chunk
+    steps = _steps_of(_step_rows(features, coef), _message_row(features))
+    fwd, bwd = layer_pass_memory(features, layers)
+    for x in (coef, steps, *fwd, *(y for b in bwd for y in b)):
+        x.setflags(write=False)
+    return _PipelineParts(coef, None, steps, fwd, bwd)
+
+
+def _whole_block_chunk_parts(features: LayerFeatures, chunkings: list[tuple]) -> list[_PipelineParts]:
+    """:func:`_chunk_parts` of several chunkings of whole blocks, computed over all
+    their chunks at once (every quantity is per chunk, given where each chunking
+    starts and ends) and then cut apart (views of shared read-only arrays)."""
+    sizes = np.asarray([len(c) for c in chunkings], np.int64)
+    ends = np.cumsum(sizes)
+    layers = np.asarray([x for c in chunkings for x in c], np.int64)
+    first = np.zeros(len(layers), bool)
+    first[ends - sizes] = True
+    last = np.zeros(len(layers), bool)
+    last[ends - 1] = True
+    coef = _block_coefficients_at(layers, first, last, features.ends_are_blocks)  # [N, 3] parts per chunk
+    rows = _step_rows(features, coef)  # [S, N, 3, F]
+    message = _message_row(features)
     # Memory of each chunk's passes, chained from its parts.
     rise_f, net_f = features.peak_rise[:, 0], features.net_bytes[:, 0]  # [3, S]
     rise_b, net_b = features.backward_rise, features.backward_net  # [3, later, input freed, S]
     # A received input is freed by the chunk's own first part when the sender's
     # backward keeps the original (MLPs); otherwise the measured events free it.
-    receives = (np.arange(n) > 0) & features.output_used_by_own_backward
+    receives = ~first & features.output_used_by_own_backward
     count = coef[:, 1:2]  # blocks; the first chunk may hold none besides the embedding (MLPs)
 
-    # Passes as [..., n, S]: the forward's, and the backwards' with a leading axis
+    # Passes as [..., N, S]: the forward's, and the backwards' with a leading axis
     # for the first and the later microbatches (one pass over both).
-    def part(rise, net, present):  # [..., S] each -> [..., n, S] where present
+    def part(rise, net, present):  # [..., S] each -> [..., N, S] where present
         where = present[:, None]
         return np.where(where, rise[..., None, :], 0.0), np.where(where, net[..., None, :], 0.0)
 
@@ -344,7 +420,7 @@ def _chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
         peak = rise[..., None, :] + np.maximum(0.0, (num - 1) * net[..., None, :])
         return np.where(num > 0, peak, 0.0), num * net[..., None, :]
 
-    absent = (np.zeros((n, s)), np.zeros((n, s)))
+    absent = (np.zeros((len(layers), features.num_variants)),) * 2
     fwd = _chain(
         _chain(
             _chain(absent, part(rise_f[_EMBED], net_f[_EMBED], first)),
@@ -364,10 +440,16 @@ def _chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
         blocks(r[:, _BLOCK, 1], m[:, _BLOCK, 1], first_block * 1.0),
     )
     rise, net = _chain(_chain(head, body), part(r[:, _EMBED, 0], m[:, _EMBED, 0], first))
-    bwd = [(rise[0], net[0]), (rise[1], net[1])]
-    for x in (coef, steps, *fwd, *(y for b in bwd for y in b)):
+    shared = (coef, *fwd, rise, net)
+    for x in shared:
         x.setflags(write=False)
-    return _PipelineParts(coef, None, steps, fwd, bwd)
+    out = []
+    for a, b in zip((ends - sizes).tolist(), ends.tolist(), strict=True):
+        steps = _steps_of(rows[:, a:b], message)
+        steps.setflags(write=False)
+        bwd = [(rise[0, a:b], net[0, a:b]), (rise[1, a:b], net[1, a:b])]
+        out.append(_PipelineParts(coef[a:b], None, steps, (fwd[0][a:b], fwd[1][a:b]), bwd))
+    return out
 
 
 def chunk_tables(
