@@ -522,9 +522,8 @@ class _Rows:
             if (t, rc) not in measured:
                 measured[t, rc] = layer_features(model, t, rc, self.sizes[t], topology)
             chunks.setdefault((t, rc), set()).add(p * v)
-        for features, counts in ((measured[tr], counts) for tr, counts in chunks.items()):
-            # Every pipeline's chunk tables at once, per features.
-            prepare_chunkings(features, [balanced_layers(features, n) for n in sorted(counts)])
+        for tr, counts in chunks.items():  # every pipeline's chunk tables at once, per features
+            prepare_chunkings(measured[tr], [balanced_layers(measured[tr], n) for n in sorted(counts)])
         for (t, rc, p, v, d), members in variants.items():
             features = measured[t, rc]
             layers = balanced_layers(features, p * v)
