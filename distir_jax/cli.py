@@ -149,9 +149,8 @@ _PRECISION_HELP = (
     "mixed (f32 master weights and optimizer state, gradients summed and all-reduced in f32: "
     "Megatron-LM's bf16), mixed-half-grads (the same with gradients in the model dtype), half (no "
     "master copy; optimizer state and gradients in the model dtype), mixed-fp8 (mixed, with the linear "
-    "layers' GEMMs in FP8 as Transformer Engine runs them: H100, H200 and B200; its peaks leave out "
-    "Transformer Engine's cached FP8 weight copies, ~2 bytes a parameter of those layers); f32 models "
-    "train in full precision"
+    "layers' GEMMs in FP8 as Transformer Engine runs them, its cached FP8 weight copies and their "
+    "transposes resident: H100, H200 and B200); f32 models train in full precision"
 )
 
 

@@ -240,6 +240,10 @@ def test_training_precisions_keep_the_contract(config, precision):
             assert op.op_type != "Cast" and op.outputs[out_index].type.dtype == "bf16"
     assert (precision in ("mixed", "mixed-fp8")) == any(op.op_type == "Cast" for op in fn.ops)
     masters = [f"{w}.master.new" for w in weights] if precision != "half" else []
+    # mixed-fp8: the FP8 copies of the weights its GEMMs read, refreshed in place.
+    inputs = {v.name for v in fn.inputs}
+    copies = [f"{w}.{s}.new" for w in weights for s in ("fp8", "fp8t") if f"{w}.{s}" in inputs]
+    assert bool(copies) == (precision == "mixed-fp8")
     outputs = [v.name for v in fn.outputs]
     assert (
         outputs
@@ -247,6 +251,7 @@ def test_training_precisions_keep_the_contract(config, precision):
         + [f"{w}.new" for w in weights]
         + [f"{w}.{s}.new" for w in weights for s in "mv"]
         + masters
+        + copies
     )
     assert models.get_model_config("gpt3-xl").resolved_precision == "full"
     assert dataclasses.replace(TINY_GPT, dtype="f16").resolved_precision == "mixed"
@@ -534,7 +539,25 @@ def test_mixed_fp8_runs_the_linear_layers_gemms_in_fp8(config, gemms, casts):
             {"fp8 GEMM" if op.op_type == "MatMul" and op.attr("fp8") else op.op_type for op in ops}
         )
         assert kinds == ["Reshape", "fp8 GEMM"], (name, kinds)
-    kept = [op for op in b.ops if op not in f8_casts]
+    # The weights' FP8 copies (Transformer Engine's cached weight and transpose):
+    # resident inputs the forward and data-gradient GEMMs read instead of the
+    # weight, each refreshed in place from the weight by a CastInto before its update.
+    refresh = [op for op in b.ops if op.op_type == "CastInto"]
+    copies = {v.name: v for v in b.inputs if v.name.endswith((".fp8", ".fp8t"))}
+    assert sorted(op.inputs[0].name for op in refresh) == sorted(copies) and copies
+    updates = {op.attr("weight"): i for i, op in enumerate(b.ops) if op.op_type == "Adam"}
+    for op in refresh:
+        copy, weight = op.inputs
+        assert copy.name.rsplit(".", 1)[0] == weight.name and copy.type.dtype == "f8"
+        assert copy.type.shape == weight.type.shape and op.attr("phase") == "opt"
+        assert b.ops.index(op) < updates[weight.name]  # the weight the step read
+        features = op_features(op)
+        assert (features.flops, features.mem_bytes, features.launches) == (0.0, 0.0, 0)
+    gemm_reads = {v.name for op in b.ops if op.op_type == "MatMul" and op.attr("fp8") for v in op.inputs}
+    assert set(copies) <= gemm_reads and not gemm_reads & set(updates)
+    assert [v.name for v in b.outputs][-len(refresh) :] == [op.outputs[0].name for op in refresh]
+    weights = set(weight_names(a))
+    kept = [op for op in b.ops if op not in f8_casts and op not in refresh]
     assert len(kept) == len(a.ops)
     marked = 0
     for x, y in zip(a.ops, kept, strict=True):
@@ -545,6 +568,9 @@ def test_mixed_fp8_runs_the_linear_layers_gemms_in_fp8(config, gemms, casts):
             continue
         assert [v.type for v in x.outputs] == [v.type for v in y.outputs]
         linear = x.op_type == "MatMul" and x.attr("tp") in ("col", "row")
+        for u, w in zip(x.inputs, y.inputs, strict=True):  # a GEMM reads a weight's FP8 copy
+            if u.name in weights:
+                assert w.name in ((f"{u.name}.fp8", f"{u.name}.fp8t") if linear else (u.name,))
         assert bool(y.attr("fp8", False)) == linear and x.attr("fp8") is None
         fx, fy = op_features(x), op_features(y)
         if linear:

@@ -215,7 +215,12 @@ def test_fp8_rows_are_the_reference_simulators_and_need_fp8_tensor_cores():
     }
     fp8, mixed = one["mixed-fp8"], one["mixed"]
     assert table["step_time_s"][fp8] < table["step_time_s"][mixed]
-    assert table["peak_memory_bytes"][fp8] < table["peak_memory_bytes"][mixed]  # f8 saved inputs
+    # The linear layers keep f8 inputs for their gradients (less than mixed), and
+    # FP8 copies of their weights and transposes, resident (more).
+    fn = build_function(configs[fp8])[0]
+    copies = sum(int(v.type.num_bytes) for v in fn.inputs if v.name.endswith((".fp8", ".fp8t")))
+    assert copies > 0
+    assert table["peak_memory_bytes"][fp8] - copies < table["peak_memory_bytes"][mixed]
     assert table["mfu"][fp8] > table["mfu"][mixed]  # the same model flops in less time
 
 

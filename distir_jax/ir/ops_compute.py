@@ -109,9 +109,15 @@ def _matmul_infer(attrs, ins):
     require_rank(b, 2, "MatMul operand b")
     if attrs.get("fp8", False):  # operands in f8 or in the dtype of the result (cast as loaded)
         dtypes = {a.dtype, b.dtype} - {"f8"}
+        dtype = attrs.get("dtype")  # the result's, which two f8 operands do not tell
+        if dtype is not None:
+            if dtype not in FLOAT_DTYPES or dtype == "f8":
+                raise OpError(f"an FP8 MatMul's result dtype must be wider than f8, got dtype={dtype!r}")
+            dtypes.add(dtype)
         if len(dtypes) != 1:
             raise OpError(
-                f"an FP8 MatMul reads f8 operands and ones in its result's dtype, got {a.dtype}, {b.dtype}"
+                f"an FP8 MatMul reads f8 operands and ones in its result's dtype (attribute dtype, or its "
+                f"other operand's), got {a.dtype}, {b.dtype}" + (f" and dtype={dtype!r}" if dtype else "")
             )
         (dtype,) = dtypes
     else:
@@ -149,6 +155,45 @@ def _matmul_eval(attrs, inputs):
 
 
 register(OpSpec("MatMul", _matmul_infer, _matmul_features, _matmul_eval, num_inputs=2))
+
+# --------------------------------------------------------------------------- #
+# CastInto: ``x`` cast into the buffer of ``dest`` (same shape, ``dest``'s dtype),
+# in place. Training precision "mixed-fp8" keeps, as Transformer Engine does, an
+# FP8 copy of each linear layer's weight and one of its transpose, resident,
+# refreshed from the weight once a step and read by every microbatch's GEMMs.
+
+
+def _cast_into_infer(attrs, ins):
+    dest, x = ins
+    require_float_dtype(dest, "CastInto's destination")
+    require_float_dtype(x, "CastInto's operand")
+    if len(dest.shape) != len(x.shape) or not all(
+        dims_equal(a, b) for a, b in zip(dest.shape, x.shape, strict=True)
+    ):
+        raise OpError(
+            f"CastInto writes its operand into the destination's buffer, so their shapes must "
+            f"match; got destination {shape_str(dest.shape)} and operand {shape_str(x.shape)}"
+        )
+    return (TensorType(dest.shape, dest.dtype, dest.device),)
+
+
+def _cast_into_features(attrs, ins, outs):
+    # Its time is left out: once a step it moves ~3 bytes a parameter per copy
+    # (GPT-3 175B at t4 p8 on H100s: ~16 ms of a ~50 s step).
+    return OpFeatures(flops=0.0, mem_bytes=0.0, launches=0)
+
+
+register(
+    OpSpec(
+        "CastInto",  # (dest, x) -> dest, holding x in dest's dtype
+        _cast_into_infer,
+        _cast_into_features,
+        # Executors evaluate every float in float64, so the value is x's.
+        lambda attrs, inputs: (np.array(inputs[1], copy=True),),
+        num_inputs=2,
+        aliases=((0, 0),),
+    )
+)
 
 # --------------------------------------------------------------------------- #
 # Elementwise binary ops with broadcasting.

@@ -28,10 +28,15 @@ Annotation contract (what parallelism transforms may rely on; checked by
   ``[H, 2 K D]``), ``l{i}.attn.wo`` ``[H, H]``, ``l{i}.ln2.gamma``, ``l{i}.ln2.beta``,
   ``l{i}.mlp.w1`` ``[H, F]``, ``l{i}.mlp.w2`` ``[F, H]``, and
   ``l{L+1}.lnf.gamma``, ``l{L+1}.lnf.beta``, ``l{L+1}.head.w`` ``[H, V]``
-  (untied). Then, for Adam, ``{weight}.m`` and ``{weight}.v`` per weight;
-  then, for a model in ``bf16`` or ``f16`` trained in mixed precision
-  (config ``training_precision`` ``mixed`` or ``mixed-half-grads``), the f32 master
-  copy ``{weight}.master`` per weight (Adam's moments are then f32 too).
+  (untied). Then, with training precision ``mixed-fp8``, the FP8 copies
+  ``{weight}.fp8`` and ``{weight}.fp8t`` (``f8``, the weight's shape) of
+  each weight an FP8 GEMM reads, in order of first use: the forward MatMul
+  reads ``{weight}.fp8`` and the input-gradient MatMul ``{weight}.fp8t``
+  instead of the weight (as Transformer Engine caches them). Then, per
+  weight, for Adam ``{weight}.m`` and ``{weight}.v``, and for a model in
+  ``bf16`` or ``f16`` trained in mixed precision (``mixed``,
+  ``mixed-half-grads`` or ``mixed-fp8``) the f32 master copy
+  ``{weight}.master`` (Adam's moments are then f32 too).
 * **Gradients.** The gradient of weight ``W`` is produced by exactly one op
   with attr ``grad_of``: a str ``"W"`` when the op's (only) output is it, or a
   tuple of weight names for ops whose *last* outputs are those gradients, in
@@ -48,7 +53,10 @@ Annotation contract (what parallelism transforms may rely on; checked by
 * **Optimizer.** One ``SGD`` or ``Adam`` op per weight, phase ``"opt"``, attr
   ``weight="W"``, outputs ``{W}.new`` (and ``{W}.m.new``, ``{W}.v.new``; with
   mixed precision ``{W}.master.new`` last, the master copy being the update's
-  last operand), aliasing their inputs (in place).
+  last operand), aliasing their inputs (in place). With ``mixed-fp8``, before
+  it, a ``CastInto(copy, W)`` (phase ``"opt"``, no ``weight`` attr) refreshes
+  each FP8 copy of ``W`` in place, output ``{copy}.new``: those outputs come
+  last among the function's.
 * **Losses.** ``MSELoss`` / ``SoftmaxCrossEntropy`` and their gradients carry
   ``shards=1``: a transform that splits the batch into ``k`` equal parts sets
   ``shards=k`` so that the parts' losses and gradients add up to the

@@ -46,6 +46,10 @@ class Emitter:
         # columns or rows, forward and backward) run in FP8 (config.PRECISIONS),
         # their forward inputs cast to f8 (fp8_input).
         self.fp8 = precision in FP8_PRECISIONS
+        # Their weights' FP8 copies (Transformer Engine's cached weight and its
+        # transpose), by weight name: resident inputs the forward and the data
+        # gradient's GEMMs read, refreshed from the weight in the optimizer phase.
+        self.fp8_copies: dict[str, dict[bool, Value]] = {}
         self.layer = 0
         self.phase = "fwd"
         self.weights: list[Value] = []
@@ -68,8 +72,22 @@ class Emitter:
 
     def op(self, op_type: str, *inputs: Value, name=None, **attrs):
         if self.fp8 and op_type == "MatMul" and attrs.get("tp") in ("col", "row"):
-            attrs["fp8"] = True
+            attrs.update(fp8=True, dtype=self.dtype)  # the result's: the operands may both be f8
+            inputs = tuple(self._fp8_copy(x, bool(attrs.get("transpose_b"))) for x in inputs)
         return self.builder.add(op_type, *inputs, names=name, layer=self.layer, phase=self.phase, **attrs)
+
+    def _fp8_copy(self, x: Value, transposed: bool) -> Value:
+        """The FP8 copy a GEMM reads for operand ``x`` if ``x`` is a weight (its
+        transpose's for a data gradient, ``x @ W^T``: ``{w}.fp8t``, else
+        ``{w}.fp8``), declared as an input on first use; else ``x``."""
+        if not any(x is w for w in self.weights):
+            return x
+        copies = self.fp8_copies.setdefault(x.name, {})
+        if transposed not in copies:
+            suffix = "fp8t" if transposed else "fp8"
+            # Same shape as the weight: a transpose's layout is the kernel's business.
+            copies[transposed] = self.builder.input(f"{x.name}.{suffix}", x.type.shape, "f8")
+        return copies[transposed]
 
     def fp8_input(self, x: Value, name: str) -> Value:
         """``x`` as an FP8 GEMM reads it and keeps it for the weight's gradient: cast
@@ -130,9 +148,13 @@ def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
     f32, and the update runs on the master and writes the weight from it (see
     :mod:`distir_jax.ir.ops_optim`); with ``mixed`` it reads an f32 gradient.
 
+    With ``mixed-fp8``, each weight an FP8 GEMM reads has FP8 copies (see
+    :meth:`Emitter.op`), refreshed by a ``CastInto`` before its update.
+
     Returns:
       The updated weights, then (Adam) each weight's new ``m`` and ``v``, then
-      (mixed precision) each weight's new ``master``.
+      (mixed precision) each weight's new ``master``, then (mixed-fp8) the
+      refreshed FP8 copies.
     """
     mixed = em.precision in MASTER_PRECISIONS
     state = {}
@@ -140,9 +162,14 @@ def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
         dtype = MASTER_DTYPE if mixed else w.type.dtype
         names = (("m", "v") if optimizer == "adam" else ()) + (("master",) if mixed else ())
         state[w.name] = [em.builder.input(f"{w.name}.{n}", w.type.shape, dtype) for n in names]
-    new_weights, new_moments, new_masters = [], [], []
+    new_weights, new_moments, new_masters, new_copies = [], [], [], []
     for w in em.weights:
         em.at(weight_layer(w), "opt")
+        # Its FP8 copies (mixed-fp8), refreshed in place from the weight the step
+        # read, before the update writes it (Transformer Engine refreshes them from
+        # the weight at a step's first microbatch: the same bytes and buffers).
+        for copy in em.fp8_copies.get(w.name, {}).values():
+            new_copies.append(em.op("CastInto", copy, w, name=f"{copy.name}.new"))
         g = em.grads[w.name]
         ins = state[w.name]
         names = (f"{w.name}.new",) + tuple(f"{v.name}.new" for v in ins)
@@ -166,4 +193,4 @@ def emit_optimizer(em: Emitter, optimizer: str, lr: float) -> list[Value]:
         new_weights.append(outs[0])
         new_moments += list(outs[1:3] if optimizer == "adam" else ())
         new_masters += [outs[-1]] if mixed else []
-    return new_weights + new_moments + new_masters
+    return new_weights + new_moments + new_masters + new_copies

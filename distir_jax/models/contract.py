@@ -16,13 +16,16 @@ PHASES = ("fwd", "bwd", "opt")
 TP_HINTS = ("col", "row", "heads", "sharded", "vocab")
 
 _WEIGHT_RE = re.compile(r"^l(\d+)\.")
-# Inputs ``{weight}.{suffix}`` that belong to a weight's optimizer, not the model.
-_STATE_SUFFIXES = ("m", "v", "master")
+# Inputs ``{weight}.{suffix}`` that belong to a weight, not weights of their own:
+# its optimizer's state, mixed precision's master copy, mixed-fp8's FP8 copies.
+_STATE_SUFFIXES = ("m", "v", "master", "fp8", "fp8t")
+# Optimizer-phase ops that refresh a weight's FP8 copies rather than update it.
+_REFRESH = "CastInto"
 
 
 def weight_names(fn: Function) -> tuple[str, ...]:
-    """Weight inputs (``l{layer}.…``), in declaration order, without Adam moments
-    and mixed precision's master copies."""
+    """Weight inputs (``l{layer}.…``), in declaration order, without Adam moments,
+    mixed precision's master copies and mixed-fp8's FP8 copies."""
     names = [v.name for v in fn.inputs if _WEIGHT_RE.match(v.name)]
     present = set(names)
 
@@ -62,7 +65,12 @@ def gradient_ops(fn: Function) -> dict[str, tuple[int, int]]:
 
 def optimizer_ops(fn: Function) -> dict[str, int]:
     """``weight -> index`` of the optimizer op updating it."""
-    return {op.attr("weight"): i for i, op in enumerate(fn.ops) if op.attr("phase") == "opt"}
+    return {op.attr("weight"): i for i, op in enumerate(fn.ops) if _updates(op)}
+
+
+def _updates(op: Op) -> bool:
+    """Whether ``op`` is an optimizer op (an FP8 copy's refresh is not)."""
+    return op.attr("phase") == "opt" and op.op_type != _REFRESH
 
 
 def check_contract(fn: Function, *, training: bool = True) -> None:
@@ -98,11 +106,11 @@ def check_contract(fn: Function, *, training: bool = True) -> None:
                 problems.append(f"{where}: grad_of={name!r} is not a weight input")
             elif weight_layer(name) != layer:
                 problems.append(f"{where}: gradient of {name} is emitted at layer {layer}")
-        if phase == "opt" and op.attr("weight") not in weights:
+        if _updates(op) and op.attr("weight") not in weights:
             problems.append(f"{where}: optimizer op has weight={op.attr('weight')!r}, not a weight input")
     if training:
         grads = collections.Counter(name for op in fn.ops for name in grad_of(op))
-        updates = collections.Counter(op.attr("weight") for op in fn.ops if op.attr("phase") == "opt")
+        updates = collections.Counter(op.attr("weight") for op in fn.ops if _updates(op))
         for w in ordered:
             if grads[w] != 1:
                 problems.append(f"weight {w} has {grads[w]} grad_of ops, expected 1")

@@ -89,6 +89,9 @@ class LayerFeatures:
       data_bytes: ``[S]`` one microbatch's token ids (its labels are as large).
       param_bytes: ``[3]`` weight bytes of each part (gradients are as large).
       state_bytes: ``[3]`` optimizer state bytes of each part.
+      copy_bytes: ``[3]`` bytes of each part's resident FP8 weight copies
+        (training precision "mixed-fp8": each weight its FP8 GEMMs read, and its
+        transpose, in f8; ZeRO does not shard them), or None for none.
       optimizer: ``[3, F]`` fused optimizer update of each part's weights (with
         their ``tensor_syncs``).
       accumulate: ``[3, F]`` adding one microbatch's weight gradients of a part
@@ -163,6 +166,7 @@ class LayerFeatures:
     output_bytes: np.ndarray | None = None
     sequence_parallel: bool = False
     tensor_syncs: tuple = ()
+    copy_bytes: np.ndarray | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -457,7 +461,10 @@ def _layer_features(
     state = np.zeros(num_parts)
     grads: list[list] = [[] for _ in range(num_parts)]
     weight_bytes: list[list] = [[] for _ in range(num_parts)]
+    copies = np.zeros(num_parts)
     for op in fn.ops:
+        if op.attr("phase") == "opt" and op.op_type == "CastInto":  # a resident FP8 copy's refresh
+            copies[part_of(op.attr("layer"))] += float(op.inputs[0].type.num_bytes)
         if op.attr("phase") != "opt" or op.op_type not in OPTIMIZER_GRADIENT:
             continue
         part = part_of(op.attr("layer"))
@@ -510,6 +517,7 @@ def _layer_features(
         output_bytes=output_bytes,
         sequence_parallel=sequence_parallel,
         tensor_syncs=tuple(tuple(t) for t in tensor_syncs),
+        copy_bytes=copies if copies.any() else None,
     )
 
 

@@ -690,7 +690,10 @@ def _memory_base(features: LayerFeatures, layers: tuple, p: int) -> tuple:
         alloc[:, row, 1] = message
         free[:, row, 0] = message if sender_frees else 0.0
     free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = base.stage_coef @ features.param_bytes  # each stage's gradients
+    # Weights, and their FP8 copies (mixed-fp8): resident whole on every replica.
     params = base.stage_coef @ features.param_bytes
+    if features.copy_bytes is not None:
+        params = params + base.stage_coef @ features.copy_bytes
     state = base.stage_coef @ features.state_bytes
     out = (alloc, free, params, state)
     for x in out:

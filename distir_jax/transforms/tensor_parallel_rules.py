@@ -258,6 +258,14 @@ def _optimizer(op: Op, layouts) -> Plan:
     return Plan(_all(layout, n), _all(layout, len(op.outputs)), (False,) + _all(True, n - 1))
 
 
+def _cast_into(layouts) -> Plan:
+    """A weight's FP8 copy refreshed from the weight (mixed-fp8): both in the copy's
+    layout, which the GEMM that reads it gave it. The weight's first reader
+    (its GEMMs read the copies) places it so, as the GEMMs would have."""
+    layout = layouts[0]
+    return Plan((layout, layout), (layout,), (False, True))
+
+
 # Losses that a split by vocabulary rewrites to read every part's statistics.
 CROSS_ENTROPY = frozenset({"SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad"})
 
@@ -327,6 +335,8 @@ def plan_op(op: Op, layouts, *, sequence_parallel: bool, degree: int) -> Plan:
         return _collective(op, layouts)
     if op.op_type in OPTIMIZERS:
         return _optimizer(op, layouts)
+    if op.op_type == "CastInto":
+        return _cast_into(layouts)
     if op.op_type in ELEMENTWISE:
         return _elementwise(op, layouts, sequence_parallel)
     if op.op_type in ("LayerNorm", "LayerNormGrad"):
