@@ -48,8 +48,8 @@ def test_registry_has_every_op():
         "TanhGrad", "Scale", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad", "CausalMask", "LayerNorm",
         "LayerNormGrad", "Reshape", "Transpose", "Concat", "Split", "ReduceSum", "MSELoss",
         "MSELossGrad", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Embedding",
-        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce", "Cast", "Shard", "CrossEntropyStats",
-        "CrossEntropyFromStats",
+        "EmbeddingGrad", "SGD", "Adam", "Send", "AllReduce", "Cast", "CastInto", "Shard",
+        "CrossEntropyStats", "CrossEntropyFromStats",
     }  # fmt: skip
     assert expected <= set(registered_op_types())
 
@@ -257,7 +257,7 @@ def _build(op_type, specs, attrs, device=0):
     return outs if isinstance(outs, tuple) else (outs,)
 
 
-F, INT = "f32", "i32"
+F, INT, F8 = "f32", "i32", "f8"
 GOOD = [
     ("MatMul", [((3, 4), F), ((4, 5), F)], {}, [(3, 5)]),
     ("MatMul", [((2, 4, 3), F), ((5, 4), F)], {"transpose_a": True, "transpose_b": True}, [(2, 3, 5)]),
@@ -279,6 +279,7 @@ GOOD = [
     ("Concat", [((2, 3), F), ((2, 1), F), ((2, 2), F)], {"axis": -1}, [(2, 6)]),
     ("Split", [((6, 4), F)], {"parts": 3}, [(2, 4)] * 3),
     ("Shard", [((6, 4), F)], {"parts": 3, "index": 2}, [(2, 4)]),
+    ("CastInto", [((3, 4), F8), ((3, 4), F)], {}, [(3, 4)]),
     ("Shard", [((7, 4), F)], {"parts": 3, "index": 0, "pad": True}, [(3, 4)]),
     ("Shard", [((2, 6), F)], {"axis": -1, "parts": 2, "index": 1}, [(2, 3)]),
     ("ReduceSum", [((2, 3, 4), F)], {"axes": (0, -1)}, [(3,)]),
@@ -338,6 +339,10 @@ BAD = [
     ("Cast", [((3,), F)], {}, ["Cast", "dtype=None"]),
     ("Cast", [((3,), F)], {"dtype": "i32"}, ["dtype='i32'", "bf16"]),
     ("Cast", [((3,), INT)], {"dtype": "f32"}, ["Cast's operand", "i32"]),
+    ("CastInto", [((3, 4), F), ((4, 3), F)], {}, ["CastInto", "[3, 4]", "[4, 3]"]),
+    ("CastInto", [((3,), INT), ((3,), F)], {}, ["destination", "i32"]),
+    ("MatMul", [((3, 4), F8), ((4, 5), F8)], {"fp8": True}, ["f8, f8"]),
+    ("MatMul", [((3, 4), F8), ((4, 5), F8)], {"fp8": True, "dtype": "f8"}, ["wider than f8"]),
     ("Softmax", [((3, 4), F)], {"axis": 2}, ["axis 2"]),
     ("SoftmaxGrad", [((3, 4), F), ((3, 5), F)], {}, ["[3, 4]", "[3, 5]"]),
     ("CausalMask", [((2, 3, 4), F)], {}, ["[2, 3, 4]"]),
@@ -577,6 +582,32 @@ def test_in_place_add_and_reduce_scatter_allocate_nothing(inplace):
     topology = dj.Topology.uniform(2)
     result = dj.simulate(dj.lower(fn, topology), dj.Hardware.from_topology(topology))
     np.testing.assert_array_equal(np.asarray(result.peak_memory), [[want, want]])
+
+
+def test_cast_into_refreshes_its_destination_in_place():
+    """``CastInto(dest, x)``: ``x`` in ``dest``'s dtype, written into ``dest``'s buffer
+    (mixed-fp8's resident FP8 weight copies, refreshed from the weight): no new
+    allocation, and no time (its features are zero). An FP8 MatMul then reads two
+    f8 operands, its result in attribute ``dtype``."""
+    import distir_jax as dj
+    from distir_jax.executor.reference import reference_peak_memory
+    from distir_jax.ir.registry import op_features, output_aliases
+
+    b = dj.FunctionBuilder("refresh")
+    x = b.input("x", (4, 8), "bf16")  # 64 bytes
+    w = b.input("w", (8, 16), "bf16")  # 256 bytes
+    copy = b.input("w.fp8", (8, 16), "f8")  # 128 bytes, resident
+    x8 = b.add("Cast", x, dtype="f8")  # +32
+    y = b.add("MatMul", x8, copy, fp8=True, dtype="bf16")  # +128: [4, 16] bf16
+    new = b.add("CastInto", copy, w)  # in place: +0
+    fn = b.build(y, new)
+    assert y.type.dtype == "bf16" and new.type == copy.type
+    assert output_aliases(get_spec("CastInto"), {}, 1) == {0: 0}
+    assert reference_peak_memory(fn) == {0: 64 + 256 + 128 + 32 + 128}
+    features = op_features(fn.ops[-1])
+    assert (features.flops, features.mem_bytes, features.launches) == (0.0, 0.0, 0)
+    (value,) = run("CastInto", np.zeros((2, 3)), np.arange(6.0).reshape(2, 3))
+    np.testing.assert_array_equal(value, np.arange(6.0).reshape(2, 3))
 
 
 def test_shard_is_a_padded_view():

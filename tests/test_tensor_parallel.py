@@ -103,6 +103,31 @@ def test_weights_are_split_along_megatrons_axes():
     assert kinds["l1.ln2.beta.new"][0] == "replica"
 
 
+@pytest.mark.parametrize("config", [GPT, MLPConfig(num_layers=4, hidden=8)], ids=["gpt", "mlp"])
+def test_mixed_fp8_weights_split_like_their_fp8_copies(config):
+    """With mixed-fp8 the GEMMs read a weight's FP8 copies, not the weight: the copies
+    are split as the weight would be, and the weight (first read by the CastInto that
+    refreshes a copy) like them, with its optimizer state; nothing is gathered."""
+    config = dataclasses.replace(config, dtype="bf16", training_precision="mixed-fp8")
+    fn = models.build_training_step(config, 4, optimizer="adam")
+    mixed = dataclasses.replace(config, training_precision="mixed")
+    mixed = models.build_training_step(mixed, 4, optimizer="adam")
+    want = {
+        sl.source: sl.splits for name, sl in tensor_parallel(mixed, 2).inputs.items() if name.endswith(".tp1")
+    }
+    dist = tensor_parallel(fn, 2)
+    splits = {sl.source: sl.splits for name, sl in dist.inputs.items() if name.endswith(".tp1")}
+    copies = [name for name in splits if name.endswith((".fp8", ".fp8t"))]
+    assert copies
+    for name in copies:
+        weight = name.rsplit(".", 1)[0]
+        assert splits[name] == splits[weight] == want[weight] != ()
+        assert splits[f"{weight}.master"] == splits[f"{weight}.m"] == want[weight]
+    assert {name: s for name, s in splits.items() if name not in copies} == want
+    assert not [op for op in dist.function.ops if op.op_type == "AllGather" and ".grad" in op.inputs[0].name]
+    assert_same_outputs(fn, dist)
+
+
 @pytest.mark.parametrize("model", ["gpt", "gpt_vocab"])
 @pytest.mark.parametrize("inner_sp, outer_sp", list(itertools.product([False, True], repeat=2)))
 def test_tensor_parallel_composes_with_itself(inner_sp, outer_sp, model):
