@@ -671,8 +671,8 @@ def chunk_step_rows(features: LayerFeatures, layers_per_chunk: Sequence[int]) ->
 def _memory_base(features: LayerFeatures, layers: tuple, p: int) -> tuple:
     """``(alloc, free, params, state)`` of :func:`chunk_tables` that every
     data-parallel degree, ZeRO setting and mode share (cached; read only):
-    passes, messages and each stage's gradients; parameter and optimizer state
-    bytes per stage."""
+    passes, messages and each stage's gradients; weight (with mixed-fp8's
+    FP8 copies) and optimizer state bytes per stage."""
     base = _pipeline_parts(features, layers, p)
     n, s = len(layers), features.num_variants
     alloc = np.zeros((s, 3 * n + p + 3, 2))
