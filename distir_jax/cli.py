@@ -1164,8 +1164,12 @@ def _simulate(args) -> int:
             f"  ({shown} of {config.world_size} devices simulated; the others are identical replicas of "
             "these. Use --full to simulate all.)"
         )
+    from distir_jax.models.config import FP8_PRECISIONS
+
+    copies = " and their FP8 copies" if config.training_precision in FP8_PRECISIONS else ""
     print(
-        "  (resident: weights, optimizer state, the step's data; allocated: activations, gradients, messages)"
+        f"  (resident: weights{copies}, optimizer state, the step's data; allocated: activations, "
+        "gradients, messages)"
     )
     if args.sensitivity:
         _print_sensitivity(config_elasticities(config, engine=engine))
