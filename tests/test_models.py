@@ -506,6 +506,27 @@ def test_a_name_keeps_its_model(model_registry):
 # gradients, the last 2's data gradients; each GPT block's 4 projections (GQA:
 # 5, queries and keys / values apart) forward, data and weight gradient. A GPT
 # block casts its 4 linear layers' inputs to f8 (an MLP's are kept for ReluGrad).
+@pytest.mark.parametrize("config", [TINY_MLP, TINY_GPT, TINY_GQA], ids=["mlp", "gpt", "gqa"])
+def test_mixed_fp8_computes_what_mixed_does(config):
+    """Executors evaluate every float in float64, so a mixed-fp8 step whose FP8 weight
+    copies hold their weights (as ``random_inputs`` makes them) gives the loss, updated
+    weights and state of a mixed step, and refreshed copies equal to the weights it read."""
+    mixed, fp8 = (
+        dataclasses.replace(config, dtype="bf16", training_precision=p) for p in ("mixed", "mixed-fp8")
+    )
+    build = builders(mixed)[0]
+    a, b = build(mixed, BATCH, optimizer="adam"), build(fp8, BATCH, optimizer="adam")
+    inputs = random_inputs(b, seed=3)
+    copies = [v.name for v in b.inputs if v.name.endswith((".fp8", ".fp8t"))]
+    assert copies and all(np.array_equal(inputs[c], inputs[c.rsplit(".", 1)[0]]) for c in copies)
+    want = execute(a, {v.name: inputs[v.name] for v in a.inputs})
+    got = execute(b, inputs)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-12, atol=1e-15, err_msg=name)
+    for c in copies:
+        np.testing.assert_array_equal(got[f"{c}.new"], inputs[c.rsplit(".", 1)[0]])
+
+
 @pytest.mark.parametrize(
     "config, gemms, casts",
     [(TINY_MLP, 3 + 3 + 2, 0), (TINY_GPT, 2 * 4 * 3, 2 * 4), (TINY_GQA, 2 * 5 * 3, 2 * 4)],
