@@ -167,13 +167,7 @@ def _cast_into_infer(attrs, ins):
     dest, x = ins
     require_float_dtype(dest, "CastInto's destination")
     require_float_dtype(x, "CastInto's operand")
-    if len(dest.shape) != len(x.shape) or not all(
-        dims_equal(a, b) for a, b in zip(dest.shape, x.shape, strict=True)
-    ):
-        raise OpError(
-            f"CastInto writes its operand into the destination's buffer, so their shapes must "
-            f"match; got destination {shape_str(dest.shape)} and operand {shape_str(x.shape)}"
-        )
+    same_shape(ins, "CastInto's destination (whose buffer it writes) and operand")
     return (TensorType(dest.shape, dest.dtype, dest.device),)
 
 

@@ -53,6 +53,7 @@ class Emitter:
         self.layer = 0
         self.phase = "fwd"
         self.weights: list[Value] = []
+        self._weight_names: set[str] = set()  # a GEMM operand's test: one lookup, not a scan
         # Gradient of each weight, by weight name, as the backward emits it.
         self.grads: dict[str, Value] = {}
 
@@ -68,6 +69,7 @@ class Emitter:
         """Declares weight ``l{layer}.{name}`` as a function input."""
         value = self.builder.input(f"l{layer}.{name}", shape, self.dtype)
         self.weights.append(value)
+        self._weight_names.add(value.name)
         return value
 
     def op(self, op_type: str, *inputs: Value, name=None, **attrs):
@@ -80,7 +82,7 @@ class Emitter:
         """The FP8 copy a GEMM reads for operand ``x`` if ``x`` is a weight (its
         transpose's for a data gradient, ``x @ W^T``: ``{w}.fp8t``, else
         ``{w}.fp8``), declared as an input on first use; else ``x``."""
-        if not any(x is w for w in self.weights):
+        if x.name not in self._weight_names:
             return x
         copies = self.fp8_copies.setdefault(x.name, {})
         if transposed not in copies:

@@ -34,8 +34,9 @@ HALF_DTYPES = ("bf16", "f16")
 #     A transformer block's linear layers read their inputs cast to f8 (a cast
 #     fused into the kernel that produced them) and keep those copies for the
 #     weight gradients, as Transformer Engine does (sequence parallelism
-#     all-gathers the f8 copies); FP8 copies of the weights (~2 bytes a
-#     parameter) are not modelled.
+#     all-gathers the f8 copies); each of those layers' weights has resident
+#     FP8 copies, it and its transpose (~2 bytes a parameter), which the GEMMs
+#     read instead of it (see models._emit).
 PRECISIONS = ("full", "mixed", "mixed-half-grads", "half", "mixed-fp8")
 HALF_PRECISIONS = ("mixed", "mixed-half-grads", "half", "mixed-fp8")
 # Precisions with f32 master weights and optimizer state.

@@ -314,7 +314,7 @@ def _chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
     """:func:`_pipeline_parts` but ``stage_coef`` (None): what does not depend on the
     number of stages, shared by every pipeline depth with these chunks (cached;
     :func:`prepare_chunkings` computes many at once)."""
-    return _cached_chunk_parts(features, layers)
+    return _CHUNK_PARTS.get(features, layers)
 
 
 def prepare_chunkings(features: LayerFeatures, chunkings) -> None:
@@ -354,7 +354,6 @@ def _one_chunk_parts(features: LayerFeatures, layers: tuple) -> _PipelineParts:
 
 
 _CHUNK_PARTS = _BoundedCache(_one_chunk_parts, _chunk_parts_nbytes, 256 << 20)
-_cached_chunk_parts = _CHUNK_PARTS.get
 
 
 def _step_rows(features: LayerFeatures, coef: np.ndarray) -> np.ndarray:
