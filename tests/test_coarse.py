@@ -509,6 +509,31 @@ def test_estimated_steps_never_start_before_what_they_wait_for(schedule, p, k, v
         assert all(s0 >= at[w][1] for w in waits)
 
 
+@pytest.mark.parametrize("f,g", [(1, 2), (1, 1), (3, 5), (7, 3)])
+def test_one_f_one_b_times_in_closed_form_are_the_relaxations(f, g):
+    # 1F1B with uniform integer step costs skips the relaxation when its closed
+    # form is confirmed; the closed form itself must be exact for every depth and
+    # microbatch count (fewer microbatches than devices too), or it saves nothing.
+    from distir_jax.transforms.coarse_schedule import _one_f_one_b_finish
+
+    for p in (1, 2, 3, 5, 8, 13):
+        for k in sorted({1, 2, p - 1, p, p + 1, p + 2, 2 * p + 3, 4 * p} - {0}):
+            chunk, mb, backward = schedule_arrays("1f1b", p, k)
+            cost = np.where(backward, float(g), float(f))
+            start, finish = estimated_times(chunk, mb, backward, p, cost)
+            np.testing.assert_array_equal(_one_f_one_b_finish(mb, backward, cost), finish, err_msg=f"{p=} {k=}")
+            fast = estimated_times(chunk, mb, backward, p, cost, schedule="1f1b")
+            np.testing.assert_array_equal(fast[0], start)
+            np.testing.assert_array_equal(fast[1], finish)
+    # Costs that differ by chunk or are not integers have no closed form here.
+    chunk, mb, backward = schedule_arrays("1f1b", 4, 6)
+    uneven = np.where(backward, 2.0, 1.0 + (chunk == 0))
+    assert _one_f_one_b_finish(mb, backward, uneven) is None
+    assert _one_f_one_b_finish(mb, backward, np.where(backward, 2.5, 1.0)) is None
+    start, finish = estimated_times(chunk, mb, backward, 4, uneven, schedule="1f1b")
+    np.testing.assert_array_equal(finish, estimated_times(chunk, mb, backward, 4, uneven)[1])
+
+
 def test_estimated_times_report_an_order_that_deadlocks():
     # Device 0 runs chunk 0's backward before its forward; device 1 runs chunk 1's
     # forward (which waits for chunk 0's) before its backward (which chunk 0's waits for).

@@ -429,7 +429,9 @@ def _core(p, k, v, schedule, step_costs) -> dict:
         step_costs = np.stack([np.ones(n), 2.0 * np.ones(n)], axis=1)
     step_costs = check_step_costs(step_costs, n)
     # The pipeline transform's own estimate (schedules.estimated_issue_order), bit for bit.
-    start, finish = estimated_times(chunk, mb, backward, n, step_costs[chunk, backward.astype(np.int64)])
+    start, finish = estimated_times(
+        chunk, mb, backward, n, step_costs[chunk, backward.astype(np.int64)], schedule=schedule
+    )
     m = chunk.shape[1]
     flat_chunk, flat_mb, flat_bwd = chunk.reshape(-1), mb.reshape(-1), backward.reshape(-1)
     device = np.repeat(np.arange(p), m)

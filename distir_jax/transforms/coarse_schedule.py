@@ -153,7 +153,7 @@ def check_step_costs(step_costs, num_chunks: int) -> np.ndarray:
     return order_costs(step_costs)
 
 
-def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
+def estimated_times(chunk, microbatch, backward, num_chunks: int, cost, *, schedule: str | None = None):
     """Start and finish of every step when each device runs its steps in order.
 
     A forward waits for the previous chunk's forward of its microbatch, a
@@ -167,6 +167,11 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
       chunk, microbatch, backward: ``[p, M]`` from :func:`schedule_arrays`.
       num_chunks: ``p * v``.
       cost: ``[p, M]`` positive seconds (or units) per step.
+      schedule: the schedule the steps are (:func:`schedule_arrays`' name),
+        if known: a 1F1B schedule whose forwards all cost one integer and
+        backwards another (unit step costs) has its times in closed form
+        (:func:`_one_f_one_b_finish`), checked by one update instead of
+        relaxed from below.
 
     Returns:
       ``(start, finish)``, each ``[p, M]``.
@@ -217,6 +222,14 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
             return True
         return False
 
+    guess = _one_f_one_b_finish(microbatch, backward, cost) if schedule == "1f1b" and p == num_chunks else None
+    if guess is not None:
+        # The waits form no cycle, so the times have one fixed point: a guess that
+        # one update leaves as it is, is it (else relax from below as usual).
+        finish[:] = guess
+        if not update(slice(None)):
+            return _starts(finish, flat_finish, dep_index)
+        finish[:] = total
     rows = [slice(None)]  # all at once
     if p >= 8 and m >= 16 and p * m >= 4096:
         rows = list(range(p)) + list(range(p - 2, 0, -1))
@@ -227,12 +240,46 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost):
         if changed and len(rows) > 1:
             changed = update(slice(None))
         if not changed:
-            ext = flat_finish[dep_index]
-            # Starts from the finishes they wait for, not ``finish - cost``: float
-            # rounding could put a step's start a bit before its input's finish.
-            previous = np.concatenate([np.zeros((p, 1)), finish[:, :-1]], axis=1)
-            return np.maximum(previous, ext), finish
+            return _starts(finish, flat_finish, dep_index)
     raise ValueError("the schedule deadlocks: estimated step times do not converge")
+
+
+def _starts(finish, flat_finish, dep_index):
+    """``(start, finish)`` from the fixed point's finishes (``finish``, a view of
+    ``flat_finish``, whose last entry is the zero steps without an input read)."""
+    # Starts from the finishes they wait for, not ``finish - cost``: float
+    # rounding could put a step's start a bit before its input's finish.
+    previous = np.concatenate([np.zeros((finish.shape[0], 1)), finish[:, :-1]], axis=1)
+    return np.maximum(previous, flat_finish[dep_index]), finish
+
+
+def _one_f_one_b_finish(microbatch, backward, cost):
+    """Every step's finish under 1F1B (``[p, 2k]``, one chunk per device) when every
+    forward costs one integer ``f`` and every backward another ``g``, else None.
+
+    Device ``s`` runs its ``w = min(p - s, k)`` warm-up forwards back to back from
+    ``s f`` (each waits for the one before it on device ``s - 1``, which is ahead
+    by exactly that); backward ``j`` of device ``s`` starts at ``p f + (p - 1 - s) g
+    + j (f + g)``: the last device's steady pairs, one backward later per device
+    up the pipeline; the forward that follows backward ``j`` in a pair starts
+    when it ends, and its input, forward ``j + w`` of device ``s - 1``, ends at
+    that same time. (Integers: the sums are exact, so the caller's one update can
+    confirm them bit for bit.)"""
+    forward = ~backward
+    f, g = cost[forward], cost[backward]
+    if not (f.size and g.size and np.all(f == f[0]) and np.all(g == g[0])) or not _integral(cost):
+        return None
+    f, g = float(f[0]), float(g[0])
+    p, m = cost.shape
+    s = np.arange(p)[:, None]
+    warm = np.minimum(p - s, m // 2)
+    pairs_from = p * f + (p - 1 - s) * g  # backward 0's start
+    start = np.where(
+        backward,
+        pairs_from + microbatch * (f + g),
+        np.where(microbatch < warm, (s + microbatch) * f, pairs_from + (microbatch - warm) * (f + g) + g),
+    )
+    return start + cost
 
 
 def message_times(start, finish, producer, consumer):
