@@ -222,7 +222,8 @@ def estimated_times(chunk, microbatch, backward, num_chunks: int, cost, *, sched
             return True
         return False
 
-    guess = _one_f_one_b_finish(microbatch, backward, cost) if schedule == "1f1b" and p == num_chunks else None
+    one_chunk_each = schedule == "1f1b" and p == num_chunks
+    guess = _one_f_one_b_finish(microbatch, backward, cost) if one_chunk_each else None
     if guess is not None:
         # The waits form no cycle, so the times have one fixed point: a guess that
         # one update leaves as it is, is it (else relax from below as usual).
