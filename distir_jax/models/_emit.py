@@ -6,7 +6,7 @@ import math
 
 from distir_jax.ir.builder import FunctionBuilder
 from distir_jax.ir.function import Function, Value
-from distir_jax.models.config import F32_GRAD_PRECISIONS, FP8_PRECISIONS, MASTER_PRECISIONS
+from distir_jax.models.config import F32_GRAD_PRECISIONS, FP8_COPY_SUFFIXES, FP8_PRECISIONS, MASTER_PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam")
 PHASES = ("fwd", "bwd", "opt")
@@ -86,7 +86,7 @@ class Emitter:
             return x
         copies = self.fp8_copies.setdefault(x.name, {})
         if transposed not in copies:
-            suffix = "fp8t" if transposed else "fp8"
+            suffix = FP8_COPY_SUFFIXES[transposed]
             # Same shape as the weight: a transpose's layout is the kernel's business.
             copies[transposed] = self.builder.input(f"{x.name}.{suffix}", x.type.shape, "f8")
         return copies[transposed]

@@ -45,6 +45,9 @@ MASTER_PRECISIONS = ("mixed", "mixed-half-grads", "mixed-fp8")
 F32_GRAD_PRECISIONS = ("mixed", "mixed-fp8")
 # Precisions that run the linear layers' GEMMs in FP8, and what each is otherwise.
 FP8_PRECISIONS = {"mixed-fp8": "mixed"}
+# Under them, a weight's FP8 copies are inputs ``{weight}.fp8`` and ``{weight}.fp8t``
+# (its transpose's), in this order: (not transposed, transposed).
+FP8_COPY_SUFFIXES = ("fp8", "fp8t")
 
 
 def _check_positive_int(owner: str, name: str, value) -> None:

@@ -11,6 +11,7 @@ import collections
 import re
 
 from distir_jax.ir.function import Function, Op
+from distir_jax.models.config import FP8_COPY_SUFFIXES
 
 PHASES = ("fwd", "bwd", "opt")
 TP_HINTS = ("col", "row", "heads", "sharded", "vocab")
@@ -18,7 +19,7 @@ TP_HINTS = ("col", "row", "heads", "sharded", "vocab")
 _WEIGHT_RE = re.compile(r"^l(\d+)\.")
 # Inputs ``{weight}.{suffix}`` that belong to a weight, not weights of their own:
 # its optimizer's state, mixed precision's master copy, mixed-fp8's FP8 copies.
-_STATE_SUFFIXES = ("m", "v", "master", "fp8", "fp8t")
+_STATE_SUFFIXES = ("m", "v", "master", *FP8_COPY_SUFFIXES)
 # Optimizer-phase ops that refresh a weight's FP8 copies rather than update it.
 _REFRESH = "CastInto"
 

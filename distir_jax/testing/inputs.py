@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from distir_jax.ir.function import Function
+from distir_jax.models.config import FP8_COPY_SUFFIXES
 
 
 def random_inputs(fn: Function, seed: int = 0) -> dict[str, np.ndarray]:
@@ -19,7 +20,7 @@ def random_inputs(fn: Function, seed: int = 0) -> dict[str, np.ndarray]:
     for v in fn.inputs:
         shape = tuple(int(d) for d in v.type.shape)
         base, _, suffix = v.name.rpartition(".")
-        if suffix in ("fp8", "fp8t") and base in values:  # mixed-fp8: a copy of its weight
+        if suffix in FP8_COPY_SUFFIXES and base in values:  # mixed-fp8: a copy of its weight
             values[v.name] = np.array(values[base], copy=True)
         elif v.type.dtype in ("i32", "i64"):
             values[v.name] = rng.integers(0, vocab, size=shape)

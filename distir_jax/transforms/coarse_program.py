@@ -688,11 +688,10 @@ def _memory_base(features: LayerFeatures, layers: tuple, p: int) -> tuple:
     for row, sender_frees in ((3 * n, not kept), (3 * n + p + 2, True)):  # activation, gradient
         alloc[:, row, 1] = message
         free[:, row, 0] = message if sender_frees else 0.0
-    free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = base.stage_coef @ features.param_bytes  # each stage's gradients
+    weights = base.stage_coef @ features.param_bytes
+    free[:, 3 * n + 1 : 3 * n + 1 + p, 0] = weights  # each stage's gradients: as large as its weights
     # Weights, and their FP8 copies (mixed-fp8): resident whole on every replica.
-    params = base.stage_coef @ features.param_bytes
-    if features.copy_bytes is not None:
-        params = params + base.stage_coef @ features.copy_bytes
+    params = weights if features.copy_bytes is None else weights + base.stage_coef @ features.copy_bytes
     state = base.stage_coef @ features.state_bytes
     out = (alloc, free, params, state)
     for x in out:
